@@ -1,0 +1,83 @@
+"""attach/detach: idempotent, reversible, and changing nothing the user did not ask for."""
+
+import hashlib
+
+import pytest
+import torch
+from transformer_lens import ActivationCache
+
+import tl_connwalk
+from tests.architectures import build, tokens
+from tests.tolerances import assert_close
+
+
+def state_digest(model) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    digest.update(repr(sorted(model.hook_dict)).encode())
+    digest.update(repr(model.cfg).encode())
+    return digest.hexdigest()
+
+
+@pytest.fixture
+def attached(gpt2):
+    tl_connwalk.attach(gpt2)
+    yield gpt2
+    tl_connwalk.detach(gpt2)
+
+
+def test_import_changes_nothing():
+    assert not hasattr(ActivationCache, "connection_walk")
+
+
+def test_cache_method_and_free_function_agree(attached):
+    _, cache = attached.run_with_cache(tokens())
+    assert_close(cache.connection_walk(1).apply(), tl_connwalk.connection_walk(cache, 1).apply())
+    assert_close(
+        cache.apply_slice_to_batch_dim(0).connection_walk(1).apply(),
+        cache.connection_walk(1).apply()[:1],
+    )
+    assert "walk.apply() + walk.bias()" in ActivationCache.connection_walk.__doc__
+
+
+def test_attach_detach_are_idempotent_and_leave_no_trace(gpt2):
+    toks = tokens()
+    digest, logits = state_digest(gpt2), gpt2(toks)
+    assert tl_connwalk.attach(tl_connwalk.attach(gpt2)) is gpt2
+    assert tl_connwalk.is_attached(gpt2)
+    assert torch.equal(gpt2(toks), logits)
+    tl_connwalk.detach(gpt2)
+    tl_connwalk.detach(gpt2)
+    assert not tl_connwalk.is_attached(gpt2)
+    assert not hasattr(ActivationCache, "connection_walk")
+    assert state_digest(gpt2) == digest
+    assert torch.equal(gpt2(toks), logits)
+
+
+def test_methods_stay_while_another_model_is_attached(gpt2):
+    other = build("llama_gqa_rotary")
+    tl_connwalk.attach(gpt2)
+    tl_connwalk.attach(other)
+    tl_connwalk.detach(gpt2)
+    _, cache = other.run_with_cache(tokens())
+    assert cache.connection_walk(0).layer == 0
+    tl_connwalk.detach(other)
+    assert not hasattr(ActivationCache, "connection_walk")
+
+
+def test_refuses_to_overwrite_a_foreign_attribute(gpt2, monkeypatch):
+    monkeypatch.setattr(ActivationCache, "connection_walk", lambda self: None, raising=False)
+    with pytest.raises(
+        tl_connwalk.ConnWalkError, match="ActivationCache.connection_walk already exists"
+    ):
+        tl_connwalk.attach(gpt2)
+    assert not tl_connwalk.is_attached(gpt2)
+
+
+def test_attach_refuses_unsupported_models():
+    with pytest.raises(
+        tl_connwalk.ConnWalkError, match="does not support torch.nn.modules.linear.Linear"
+    ):
+        tl_connwalk.attach(torch.nn.Linear(2, 2))

@@ -1,0 +1,108 @@
+"""connection_walk on caches: the hooks it needs, and the errors for everything else."""
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+from transformer_lens import ActivationCache
+
+import tl_connwalk
+from tests.architectures import build, tokens
+from tests.tolerances import assert_close
+
+# Under test, jaxtyping+beartype reject wrong argument types before our checks run; users run
+# without them, so the messages they see come from the undecorated function.
+unchecked_connection_walk = inspect.unwrap(tl_connwalk.connection_walk)
+
+
+def test_required_hooks_are_enough(arch):
+    model = build(arch)
+    names = tl_connwalk.required_hooks(model)
+    assert len(names) == 2 * model.cfg.n_layers
+    _, cache = model.run_with_cache(tokens(), names_filter=names)
+    assert set(cache.keys()) == set(names)
+    _, full = model.run_with_cache(tokens())
+    for layer in range(model.cfg.n_layers):
+        assert_close(
+            tl_connwalk.connection_walk(cache, layer).apply(),
+            tl_connwalk.connection_walk(full, layer).apply(),
+        )
+
+
+def test_missing_hooks_are_named_with_a_fix(gpt2):
+    _, cache = gpt2.run_with_cache(tokens(), names_filter=lambda name: "hook_pattern" not in name)
+    message = (
+        r"(?s)lacks \['blocks.1.attn.hook_pattern'\].*"
+        r"names_filter=\['blocks.1.attn.hook_pattern', 'blocks.1.ln1.hook_normalized'\]"
+    )
+    with pytest.raises(tl_connwalk.ConnWalkError, match=message):
+        tl_connwalk.connection_walk(cache, 1)
+
+
+@pytest.mark.parametrize("layer", [2, -3, 100])
+def test_layer_out_of_range(gpt2, layer):
+    _, cache = gpt2.run_with_cache(tokens())
+    with pytest.raises(
+        tl_connwalk.ConnWalkError, match=f"layer {layer} is out of range: this model has 2"
+    ):
+        tl_connwalk.connection_walk(cache, layer)
+
+
+def test_negative_layer_counts_from_the_end(gpt2):
+    _, cache = gpt2.run_with_cache(tokens())
+    assert tl_connwalk.connection_walk(cache, -1).layer == 1
+    with pytest.raises(tl_connwalk.ConnWalkError, match="layer must be an int, got str"):
+        unchecked_connection_walk(cache, "1")
+
+
+def test_unsupported_model_is_named():
+    cache = ActivationCache({}, nn.Linear(2, 2))
+    with pytest.raises(
+        tl_connwalk.ConnWalkError,
+        match="does not support torch.nn.modules.linear.Linear; supported",
+    ):
+        tl_connwalk.connection_walk(cache, 0)
+
+
+def test_not_a_cache_and_cache_without_model(gpt2):
+    with pytest.raises(
+        tl_connwalk.ConnWalkError, match="expected a transformer_lens ActivationCache, got dict"
+    ):
+        unchecked_connection_walk({}, 0)
+    _, cache = gpt2.run_with_cache(tokens())
+    orphan = ActivationCache(cache.cache_dict, None)  # type: ignore[arg-type]
+    with pytest.raises(
+        tl_connwalk.ConnWalkError, match="pass it: connection_walk\\(cache, layer, model=model\\)"
+    ):
+        tl_connwalk.connection_walk(orphan, 0)
+    assert_close(
+        tl_connwalk.connection_walk(orphan, 0, model=gpt2).apply(),
+        tl_connwalk.connection_walk(cache, 0).apply(),
+    )
+
+
+def test_sliced_caches(gpt2):
+    _, cache = gpt2.run_with_cache(tokens(batch=3))
+    whole = tl_connwalk.connection_walk(cache, 1)
+    one = tl_connwalk.connection_walk(cache.apply_slice_to_batch_dim(2), 1)
+    some = tl_connwalk.connection_walk(cache.apply_slice_to_batch_dim(slice(0, 2)), 1)
+    assert one.walk.shape == (1, 9, 9)
+    assert_close(one.apply(), whole.apply()[2:])
+    assert_close(some.apply(), whole.apply()[:2])
+
+
+def test_single_token_sequence(gpt2):
+    _, cache = gpt2.run_with_cache(tokens(pos=1))
+    walk = tl_connwalk.connection_walk(cache, 0)
+    assert_close(walk.walk, torch.ones(2, 1, 1))
+    assert_close(walk.apply() + walk.bias(), cache["blocks.0.hook_attn_out"])
+
+
+def test_measurements_do_not_mutate_the_cache(gpt2):
+    _, cache = gpt2.run_with_cache(tokens())
+    before = {name: value.clone() for name, value in cache.items()}
+    walk = tl_connwalk.connection_walk(cache, 0)
+    walk.apply(), walk.bias(), walk.generator().to_dense(), walk.effective_transport(2, 1).AB
+    for name, value in cache.items():
+        assert torch.equal(value, before[name]), name

@@ -1,0 +1,32 @@
+"""tl_connwalk: self-attention as a connection walk, for TransformerLens models.
+
+>>> import tl_connwalk
+>>> tl_connwalk.attach(model)  # doctest: +SKIP
+>>> logits, cache = model.run_with_cache(tokens)  # doctest: +SKIP
+>>> walk = cache.connection_walk(0)  # doctest: +SKIP
+>>> walk.apply() + walk.bias()  # == cache["blocks.0.hook_attn_out"]  # doctest: +SKIP
+"""
+
+from tl_connwalk.attach import attach as attach
+from tl_connwalk.attach import detach as detach
+from tl_connwalk.attach import is_attached as is_attached
+from tl_connwalk.cache import connection_walk as connection_walk
+from tl_connwalk.cache import required_hooks as required_hooks
+from tl_connwalk.core.generator import ConnectionGenerator as ConnectionGenerator
+from tl_connwalk.core.walk import EffectiveTransport as EffectiveTransport
+from tl_connwalk.errors import ConnWalkError as ConnWalkError
+from tl_connwalk.walk import ConnectionWalk as ConnectionWalk
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "ConnWalkError",
+    "ConnectionGenerator",
+    "ConnectionWalk",
+    "EffectiveTransport",
+    "attach",
+    "connection_walk",
+    "detach",
+    "is_attached",
+    "required_hooks",
+]

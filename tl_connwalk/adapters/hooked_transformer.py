@@ -1,0 +1,114 @@
+"""Adapter for TransformerLens ``HookedTransformer`` (SPEC section 0).
+
+The field ``x_j`` is exactly the vector the value projection reads:
+
+- LayerNorm folded (``LNPre``/``RMSPre``): ``blocks.{l}.ln1.hook_normalized``;
+- unfolded ``LN``/``RMS``: that times ``ln1.w`` (plus ``ln1.b``): the hook sits before the
+  affine part;
+- no normalisation, or post-norm architectures (OLMo 2/3): ``blocks.{l}.hook_resid_pre``.
+
+Patterns are ``blocks.{l}.attn.hook_pattern``; weights are read from the model when the walk is
+built (``attn.W_V`` expands grouped-query heads: query head ``h`` reads KV head
+``h // (n_heads / n_key_value_heads)``). A user hook that edits ``hook_v`` is not seen by the
+field: the walk describes the weights acting on the layer's input.
+"""
+
+import importlib
+from typing import cast
+
+import torch
+from torch import Tensor, nn
+from transformer_lens import ActivationCache, HookedTransformer
+
+from tl_connwalk.errors import ConnWalkError
+from tl_connwalk.walk import ConnectionWalk
+
+NAME = "transformer_lens.HookedTransformer"
+
+_architectures = importlib.import_module("transformer_lens.utilities.architectures")
+#: Architectures whose ln1 normalises the attention *output*; their value input is the residual.
+POST_NORM_ARCHITECTURES: frozenset[str] = frozenset(
+    getattr(_architectures, "POST_NORM_ARCHITECTURES", ())
+)
+
+
+def supports(model: nn.Module) -> bool:
+    return isinstance(model, HookedTransformer)
+
+
+def _hooked(model: nn.Module) -> HookedTransformer:
+    """``model`` as the class this adapter serves (``supports`` was checked by the caller)."""
+    return cast(HookedTransformer, model)
+
+
+def n_layers(model: nn.Module) -> int:
+    return int(_hooked(model).cfg.n_layers)
+
+
+def _field_hook(model: nn.Module, layer: int) -> str:
+    cfg = _hooked(model).cfg
+    if cfg.normalization_type is None or cfg.original_architecture in POST_NORM_ARCHITECTURES:
+        return f"blocks.{layer}.hook_resid_pre"
+    return f"blocks.{layer}.ln1.hook_normalized"
+
+
+def required_hooks(model: nn.Module, layer: int) -> list[str]:
+    """The cache entries one layer's walk is built from."""
+    return [f"blocks.{layer}.attn.hook_pattern", _field_hook(model, layer)]
+
+
+def processing(model: nn.Module, layer: int) -> dict[str, bool]:
+    """The weight processing the model had, read off its config and one layer's weights (SPEC 2).
+
+    TransformerLens does not record it, so ``center_writing_weights`` and
+    ``fold_value_biases`` are inferred: every ``W_O`` output centred, every ``b_V`` zero.
+    """
+    attn = _hooked(model).blocks[layer].attn
+    W_O, b_V = attn.W_O.detach(), attn.b_V.detach()
+    centred = W_O.mean(-1).abs().max() <= 1e-6 * W_O.abs().max().clamp_min(1e-30)
+    return {
+        "fold_ln": str(_hooked(model).cfg.normalization_type).endswith("Pre"),
+        "center_writing_weights": bool(centred),
+        "fold_value_biases": bool((b_V == 0).all()),
+    }
+
+
+def _value_input(cache: ActivationCache, model: nn.Module, layer: int) -> Tensor:
+    name = _field_hook(model, layer)
+    x = cache[name]
+    if not cache.has_batch_dim:
+        x = x.unsqueeze(0)
+    if x.ndim == 4:
+        # use_split_qkv_input / use_attn_in: one copy of the input per (KV) head
+        if not torch.equal(x, x[:, :, :1].expand_as(x)):
+            raise ConnWalkError(
+                f"layer {layer}: {name} differs between heads (a patched per-head input), so the "
+                "heads do not read one common field and there is no single connection walk."
+            )
+        x = x[:, :, 0]
+    x = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    ln1 = _hooked(model).blocks[layer].ln1
+    weight, bias = getattr(ln1, "w", None), getattr(ln1, "b", None)
+    if name.endswith("hook_normalized") and isinstance(weight, Tensor):
+        x = x * weight.detach().to(x)
+        if isinstance(bias, Tensor):
+            x = x + bias.detach().to(x)
+    return x
+
+
+def walk_from_cache(cache: ActivationCache, model: nn.Module, layer: int) -> ConnectionWalk:
+    """Layer ``layer``'s connection walk from a cache of ``model`` (hooks checked by the caller)."""
+    pattern = cache[f"blocks.{layer}.attn.hook_pattern"]
+    if not cache.has_batch_dim:
+        pattern = pattern.unsqueeze(0)
+    attn = _hooked(model).blocks[layer].attn
+    return ConnectionWalk.from_pattern(
+        pattern,
+        _value_input(cache, model, layer),
+        attn.W_V.detach(),
+        attn.W_O.detach(),
+        attn.b_V.detach(),
+        attn.b_O.detach(),
+        layer=layer,
+        processing=processing(model, layer),
+    )

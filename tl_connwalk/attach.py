@@ -1,0 +1,84 @@
+"""``attach`` and ``detach``: the one place tl_connwalk touches a model or TransformerLens.
+
+``import tl_connwalk`` changes nothing. ``attach(model)`` checks the model is supported and
+registers the cache methods on ``ActivationCache`` (``cache.connection_walk(layer)``), refusing
+to overwrite an attribute it did not create; ``detach(model)`` undoes exactly that. Methods on
+the class, not a cache subclass, because TransformerLens builds plain ``ActivationCache``
+objects in many places (``apply_slice_to_batch_dim``, ``run_with_cache``) and a subclass would
+lose them. Both are idempotent.
+"""
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from transformer_lens import ActivationCache
+
+from tl_connwalk.adapters import adapter_for
+from tl_connwalk.cache import connection_walk
+from tl_connwalk.errors import ConnWalkError
+
+#: The methods ``attach`` registers on ``ActivationCache``, by name.
+CACHE_METHODS: dict[str, Callable[..., Any]] = {"connection_walk": connection_walk}
+
+_MARK = "__tl_connwalk__"
+_attached: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def _method(function: Callable[..., Any]) -> Callable[..., Any]:
+    def method(self: ActivationCache, *args: Any, **kwargs: Any) -> Any:
+        return function(self, *args, **kwargs)
+
+    method.__name__ = function.__name__
+    method.__qualname__ = f"ActivationCache.{function.__name__}"
+    method.__doc__ = function.__doc__
+    setattr(method, _MARK, True)
+    return method
+
+
+def _register_cache_methods() -> None:
+    for name in CACHE_METHODS:
+        existing = getattr(ActivationCache, name, None)
+        if existing is not None and not getattr(existing, _MARK, False):
+            raise ConnWalkError(
+                f"ActivationCache.{name} already exists and was not made by tl_connwalk (another "
+                f"plugin, or a newer TransformerLens?); refusing to overwrite it. Call "
+                f"tl_connwalk.{name}(cache, ...) instead."
+            )
+    for name, function in CACHE_METHODS.items():
+        setattr(ActivationCache, name, _method(function))
+
+
+def _unregister_cache_methods() -> None:
+    for name in CACHE_METHODS:
+        if getattr(ActivationCache.__dict__.get(name), _MARK, False):
+            delattr(ActivationCache, name)
+
+
+def is_attached(model: nn.Module) -> bool:
+    """Whether ``attach(model)`` is in effect."""
+    return model in _attached
+
+
+def attach(model: nn.Module) -> nn.Module:
+    """Enable tl_connwalk on ``model``: ``cache.connection_walk(layer)`` on its caches.
+
+    Idempotent; changes no parameter, buffer, output or config. Returns ``model``.
+
+    >>> tl_connwalk.attach(model)  # doctest: +SKIP
+    >>> _, cache = model.run_with_cache(tokens)  # doctest: +SKIP
+    >>> cache.connection_walk(0)  # doctest: +SKIP
+    """
+    adapter_for(model)  # refuse unsupported models before touching anything
+    _register_cache_methods()
+    _attached.add(model)
+    return model
+
+
+def detach(model: nn.Module) -> nn.Module:
+    """Undo :func:`attach`; the cache methods go when the last attached model is detached."""
+    _attached.discard(model)
+    if not _attached:
+        _unregister_cache_methods()
+    return model

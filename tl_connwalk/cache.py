@@ -1,0 +1,80 @@
+"""Connection walks from TransformerLens ``ActivationCache`` objects.
+
+Free functions that take the cache first, in the family of ``ActivationCache``'s own analysis
+methods; :func:`tl_connwalk.attach` also registers them as cache methods
+(``cache.connection_walk(layer)``). Free functions keep working on every cache, including the
+plain ``ActivationCache`` objects TransformerLens builds internally (``apply_slice_to_batch_dim``).
+"""
+
+from collections.abc import Iterable
+
+from torch import nn
+from transformer_lens import ActivationCache
+
+from tl_connwalk.adapters import adapter_for, resolve_layer
+from tl_connwalk.errors import ConnWalkError
+from tl_connwalk.walk import ConnectionWalk
+
+
+def required_hooks(model: nn.Module, layers: Iterable[int] | int | None = None) -> list[str]:
+    """The hook names a cache must hold to build the walks of ``layers`` (default: all).
+
+    Pass them as ``names_filter`` to keep a cache small:
+
+    >>> names = required_hooks(model, [0])  # doctest: +SKIP
+    >>> _, cache = model.run_with_cache(tokens, names_filter=names)  # doctest: +SKIP
+    """
+    adapter = adapter_for(model)
+    if layers is None:
+        layers = range(adapter.n_layers(model))
+    elif isinstance(layers, int):
+        layers = [layers]
+    names: list[str] = []
+    for layer in layers:
+        names += adapter.required_hooks(model, resolve_layer(adapter, model, layer))
+    return names
+
+
+def connection_walk(
+    cache: ActivationCache, layer: int, model: nn.Module | None = None
+) -> ConnectionWalk:
+    """Layer ``layer``'s attention as a connection walk, for the whole batch (SPEC 1.2).
+
+    ``walk.apply() + walk.bias()`` equals the layer's attention output (``hook_attn_out``,
+    or the attention module's output in models with ``ln1_post``). Results are float32 or
+    wider whatever the cache dtype, on the cache's device. A cache made with
+    ``remove_batch_dim=True`` gives a walk with a batch of one.
+
+    Args:
+        cache: from ``model.run_with_cache``; must hold :func:`required_hooks` for the layer.
+        layer: attention layer index; negative counts from the end.
+        model: the model the cache came from; defaults to ``cache.model``.
+
+    Example:
+        >>> _, cache = model.run_with_cache(tokens)  # doctest: +SKIP
+        >>> walk = tl_connwalk.connection_walk(cache, 0)  # doctest: +SKIP
+        >>> walk.walk.shape  # [batch, query, key]  # doctest: +SKIP
+    """
+    if not isinstance(cache, ActivationCache):
+        raise ConnWalkError(
+            f"expected a transformer_lens ActivationCache, got {type(cache).__name__}; "
+            "make one with `logits, cache = model.run_with_cache(tokens)`."
+        )
+    model = cache.model if model is None else model
+    if model is None:
+        raise ConnWalkError(
+            "this cache does not know its model; pass it: "
+            "connection_walk(cache, layer, model=model)."
+        )
+    adapter = adapter_for(model)
+    layer = resolve_layer(adapter, model, layer)
+    needed = adapter.required_hooks(model, layer)
+    missing = [name for name in needed if name not in cache.cache_dict]
+    if missing:
+        raise ConnWalkError(
+            f"the cache lacks {missing}, which the connection walk of layer {layer} is built from "
+            "(a names_filter left them out?). Re-run with e.g.\n"
+            f"    model.run_with_cache(tokens, names_filter={needed!r})\n"
+            "or names_filter=tl_connwalk.required_hooks(model) for every layer."
+        )
+    return adapter.walk_from_cache(cache, model, layer)

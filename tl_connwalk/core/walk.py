@@ -1,0 +1,205 @@
+"""Connection walks from attention: walk, gates, transports and their action (SPEC section 1).
+
+Pure functions on tensors; nothing here knows a model class. Row vectors throughout, as in
+TransformerLens: a message from key ``j`` to query ``i`` is ``x_j @ T_ij``.
+
+Multi-head attention ``sum_h A^h X T^h + c`` with ``T^h = W_V^h W_O^h`` is exactly one connection
+walk ``(W, T)``::
+
+    W_ij   = (1/H) sum_h A^h_ij
+    g^h_ij = A^h_ij / sum_h' A^h'_ij          (uniform 1/H where that sum is 0)
+    T_ij   = H sum_h g^h_ij T^h
+    c_i    = sum_h (sum_j A^h_ij) b_V^h W_O^h + b_O
+
+and ``W_ij T_ij = sum_h A^h_ij T^h`` edge by edge, which is how :func:`propagate` evaluates
+``P X`` without ever forming a ``d_model x d_model`` map per edge.
+"""
+
+import torch
+from einops import einsum, rearrange, reduce
+from jaxtyping import Float
+from torch import Tensor
+from transformer_lens import FactoredMatrix
+
+
+def walk_matrix(pattern: Float[Tensor, "batch head query key"]) -> Float[Tensor, "batch query key"]:
+    """The walk ``W_ij = (1/H) sum_h A^h_ij`` (SPEC 1.2); row-stochastic when every head is.
+
+    >>> A = torch.softmax(torch.randn(2, 4, 5, 5), -1)
+    >>> walk_matrix(A).sum(-1)  # doctest: +SKIP
+    tensor([[1., 1., 1., 1., 1.], [1., 1., 1., 1., 1.]])
+    """
+    return reduce(pattern, "batch head query key -> batch query key", "mean")
+
+
+def gates(pattern: Float[Tensor, "batch head query key"]) -> Float[Tensor, "batch head query key"]:
+    """The gates ``g^h_ij = A^h_ij / sum_h' A^h'_ij`` (SPEC 1.2), uniform ``1/H`` on non-edges.
+
+    ``g >= 0`` and ``sum_h g^h_ij = 1`` on every pair ``(i, j)``, edge or not, so that
+    :func:`patterns_from_walk` inverts the split exactly.
+
+    >>> g = gates(torch.softmax(torch.randn(1, 3, 4, 4), -1))
+    >>> g.sum(1)  # all ones  # doctest: +SKIP
+    """
+    n_heads = pattern.shape[1]
+    total = reduce(pattern, "batch head query key -> batch 1 query key", "sum")
+    has_mass = total > 0
+    ratio = pattern / torch.where(has_mass, total, torch.ones_like(total))
+    return torch.where(has_mass, ratio, torch.full_like(ratio, 1.0 / n_heads))
+
+
+def patterns_from_walk(
+    walk: Float[Tensor, "batch query key"], gates: Float[Tensor, "batch head query key"]
+) -> Float[Tensor, "batch head query key"]:
+    """Recombine a walk and its gates into per-head patterns ``A^h_ij = H W_ij g^h_ij``.
+
+    The inverse of (:func:`walk_matrix`, :func:`gates`) up to rounding.
+
+    >>> A = torch.softmax(torch.randn(1, 2, 3, 3), -1)
+    >>> torch.allclose(patterns_from_walk(walk_matrix(A), gates(A)), A)
+    True
+    """
+    n_heads = gates.shape[1]
+    return n_heads * einsum(
+        walk, gates, "batch query key, batch head query key -> batch head query key"
+    )
+
+
+def head_transports(
+    W_V: Float[Tensor, "head d_model d_head"], W_O: Float[Tensor, "head d_head d_model"]
+) -> FactoredMatrix:
+    """The head transports ``T^h = W_V^h W_O^h`` (the OV circuits), ``[head, d_model, d_model]``.
+
+    Kept factored (rank ``d_head``); ``.AB`` forms the dense maps.
+
+    >>> T = head_transports(torch.randn(2, 8, 2), torch.randn(2, 2, 8))
+    >>> T.shape
+    torch.Size([2, 8, 8])
+    """
+    return FactoredMatrix(W_V, W_O)
+
+
+def propagate(
+    pattern: Float[Tensor, "batch head query key"],
+    field: Float[Tensor, "batch key d_model"],
+    W_V: Float[Tensor, "head d_model d_head"],
+    W_O: Float[Tensor, "head d_head d_model"],
+) -> Float[Tensor, "batch query d_model"]:
+    """The propagation ``(P X)_i = sum_j W_ij x_j T_ij = sum_h sum_j A^h_ij x_j W_V^h W_O^h``.
+
+    Evaluated head by head through ``d_head``-wide values: ``O(batch n^2 H d_head)`` time and no
+    per-edge ``d_model x d_model`` map.
+
+    >>> A = torch.softmax(torch.randn(1, 2, 3, 3), -1)
+    >>> propagate(A, torch.randn(1, 3, 8), torch.randn(2, 8, 4), torch.randn(2, 4, 8)).shape
+    torch.Size([1, 3, 8])
+    """
+    values = einsum(field, W_V, "batch key d_model, head d_model d_head -> batch key head d_head")
+    mixed = einsum(
+        pattern, values, "batch head query key, batch key head d_head -> batch query head d_head"
+    )
+    return einsum(mixed, W_O, "batch query head d_head, head d_head d_model -> batch query d_model")
+
+
+def attention_bias(
+    pattern: Float[Tensor, "batch head query key"],
+    b_V: Float[Tensor, "head d_head"],
+    W_O: Float[Tensor, "head d_head d_model"],
+    b_O: Float[Tensor, " d_model"],
+) -> Float[Tensor, "batch query d_model"]:
+    """The bias ``c_i = sum_h (sum_j A^h_ij) b_V^h W_O^h + b_O`` (SPEC 1.2).
+
+    ``sum_j A^h_ij`` is 1 for softmax rows, smaller with attention sinks or masked rows.
+
+    >>> A = torch.softmax(torch.randn(1, 2, 3, 3), -1)
+    >>> attention_bias(A, torch.zeros(2, 4), torch.randn(2, 4, 8), torch.ones(8))[0, 0]
+    tensor([1., 1., 1., 1., 1., 1., 1., 1.])
+    """
+    mass = reduce(pattern, "batch head query key -> batch query head", "sum")
+    value_bias = einsum(b_V, W_O, "head d_head, head d_head d_model -> head d_model")
+    return einsum(mass, value_bias, "batch query head, head d_model -> batch query d_model") + b_O
+
+
+def head_messages(
+    field: Float[Tensor, "batch key d_model"],
+    W_V: Float[Tensor, "head d_model d_head"],
+    b_V: Float[Tensor, "head d_head"],
+    W_O: Float[Tensor, "head d_head d_model"],
+) -> Float[Tensor, "batch key head d_model"]:
+    """Each head's transported message ``m^h_j = (x_j W_V^h + b_V^h) W_O^h``.
+
+    The attention output is ``sum_h sum_j A^h_ij m^h_j + b_O``.
+
+    >>> head_messages(torch.randn(1, 3, 8), torch.randn(2, 8, 4), torch.zeros(2, 4),
+    ...               torch.randn(2, 4, 8)).shape
+    torch.Size([1, 3, 2, 8])
+    """
+    values = einsum(field, W_V, "batch key d_model, head d_model d_head -> batch key head d_head")
+    return einsum(
+        values + b_V, W_O, "batch key head d_head, head d_head d_model -> batch key head d_model"
+    )
+
+
+def edge_transport(
+    edge_gates: Float[Tensor, "batch head"],
+    W_V: Float[Tensor, "head d_model d_head"],
+    W_O: Float[Tensor, "head d_head d_model"],
+) -> FactoredMatrix:
+    """One edge's effective transport ``T_ij = W_V^cat diag(H g_ij (x) 1_{d_head}) W_O^cat``.
+
+    ``edge_gates`` is ``g[:, :, i, j]``. The result is a ``FactoredMatrix``
+    ``[batch, d_model, d_model]`` of inner width ``H d_head``; ``.AB`` materialises it.
+
+    >>> T = edge_transport(torch.full((1, 2), 0.5), torch.randn(2, 8, 4), torch.randn(2, 4, 8))
+    >>> T.shape
+    torch.Size([1, 8, 8])
+    """
+    n_heads = edge_gates.shape[1]
+    left = einsum(
+        W_V, n_heads * edge_gates, "head d_model d_head, batch head -> batch d_model head d_head"
+    )
+    left = rearrange(left, "batch d_model head d_head -> batch d_model (head d_head)")
+    right = rearrange(W_O, "head d_head d_model -> (head d_head) d_model")
+    return FactoredMatrix(left, right.expand(left.shape[0], *right.shape))
+
+
+class EffectiveTransport:
+    """All edges' effective transports ``T_ij``, held lazily as gates and head factors.
+
+    Never materialises ``n^2 d_model^2`` numbers: indexing one edge gives its
+    ``FactoredMatrix`` (:func:`edge_transport`), ``[batch, d_model, d_model]``.
+
+    >>> A = torch.softmax(torch.randn(1, 2, 3, 3), -1)
+    >>> T = EffectiveTransport(gates(A), torch.randn(2, 8, 4), torch.randn(2, 4, 8))
+    >>> T[2, 0].shape, T.shape
+    (torch.Size([1, 8, 8]), (1, 3, 3, 8, 8))
+    """
+
+    def __init__(
+        self,
+        gates: Float[Tensor, "batch head query key"],
+        W_V: Float[Tensor, "head d_model d_head"],
+        W_O: Float[Tensor, "head d_head d_model"],
+    ) -> None:
+        self.gates = gates
+        self.W_V = W_V
+        self.W_O = W_O
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """``(batch, query, key, d_model, d_model)``, the shape the dense tensor would have."""
+        batch, _, n_query, n_key = self.gates.shape
+        d_model = self.W_V.shape[1]
+        return (batch, n_query, n_key, d_model, d_model)
+
+    def __getitem__(self, edge: tuple[int, int]) -> FactoredMatrix:
+        query, key = edge
+        return edge_transport(self.gates[:, :, query, key], self.W_V, self.W_O)
+
+    def __repr__(self) -> str:
+        batch, n_query, n_key, d_model, _ = self.shape
+        n_heads, _, d_head = self.W_V.shape
+        return (
+            f"EffectiveTransport(batch={batch}, query={n_query}, key={n_key}, d_model={d_model}, "
+            f"rank<={n_heads * d_head}; index [query, key] for one edge's FactoredMatrix)"
+        )

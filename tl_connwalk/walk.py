@@ -1,0 +1,203 @@
+"""``ConnectionWalk``: the object a user holds for one attention layer (SPEC section 1).
+
+A frozen bundle of the walk ``W``, the gates ``g``, the field ``X`` the layer read, and the
+head weights; every method delegates to the math core in :mod:`tl_connwalk.core`. Build one
+from a TransformerLens cache with ``cache.connection_walk(layer)`` (after
+``tl_connwalk.attach``) or :func:`tl_connwalk.connection_walk`, or from raw tensors with
+:meth:`ConnectionWalk.from_pattern`.
+"""
+
+import dataclasses
+from collections.abc import Mapping
+from typing import overload
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+from transformer_lens import FactoredMatrix
+
+from tl_connwalk.core import walk as core
+from tl_connwalk.core.generator import ConnectionGenerator
+from tl_connwalk.errors import ConnWalkError
+
+
+def _float_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 or wider: half precision is upcast, float64 stays."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class ConnectionWalk:
+    """One attention layer as a connection walk ``(W, T)`` acting on the field ``X``.
+
+    ``apply() + bias()`` is the layer's attention output exactly (SPEC 1.2):
+    ``y_i = sum_j W_ij x_j T_ij + c_i`` with ``T_ij = H sum_h g^h_ij W_V^h W_O^h``.
+
+    Attributes:
+        walk: ``W`` ``[batch, query, key]``, ``W_ij = (1/H) sum_h A^h_ij``.
+        gates: ``g`` ``[batch, head, query, key]``, ``g^h_ij = A^h_ij / sum_h' A^h'_ij``.
+        field: ``X`` ``[batch, key, d_model]``, exactly what the value projection read.
+        W_V, W_O, b_V, b_O: the head weights (grouped-query heads already expanded).
+        layer: the layer index, when the walk came from a model.
+        processing: which TransformerLens weight processing the model had (SPEC 2).
+
+    Example:
+        >>> A = torch.softmax(torch.randn(1, 2, 3, 3), -1)
+        >>> walk = ConnectionWalk.from_pattern(A, torch.randn(1, 3, 8), torch.randn(2, 8, 4),
+        ...                                    torch.randn(2, 4, 8))
+        >>> walk.apply().shape
+        torch.Size([1, 3, 8])
+    """
+
+    walk: Float[Tensor, "batch query key"]
+    gates: Float[Tensor, "batch head query key"]
+    field: Float[Tensor, "batch key d_model"]
+    W_V: Float[Tensor, "head d_model d_head"]
+    W_O: Float[Tensor, "head d_head d_model"]
+    b_V: Float[Tensor, "head d_head"]
+    b_O: Float[Tensor, " d_model"]
+    layer: int | None = None
+    processing: Mapping[str, bool] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_pattern(
+        cls,
+        pattern: Tensor,
+        field: Tensor,
+        W_V: Tensor,
+        W_O: Tensor,
+        b_V: Tensor | None = None,
+        b_O: Tensor | None = None,
+        *,
+        layer: int | None = None,
+        processing: Mapping[str, bool] | None = None,
+    ) -> "ConnectionWalk":
+        """Split per-head patterns into walk and gates (SPEC 1.2); computes in float32 or wider.
+
+        Shapes: ``pattern [batch, head, query, key]``, ``field [batch, key, d_model]``,
+        ``W_V [head, d_model, d_head]``, ``W_O [head, d_head, d_model]``, ``b_V [head, d_head]``,
+        ``b_O [d_model]``; checked here with a ConnWalkError naming them (annotated as plain
+        tensors so that runtime type checkers do not pre-empt that message). Missing biases
+        are zero. Everything moves to ``field``'s device.
+        """
+        _check_shapes(pattern, field, W_V, W_O)
+        dtype = _float_dtype(field.dtype)
+        device = field.device
+        n_heads, d_head, d_model = W_O.shape
+
+        def cast(t: Tensor) -> Tensor:
+            return t.to(device=device, dtype=dtype)
+
+        b_V = torch.zeros(n_heads, d_head) if b_V is None else b_V
+        b_O = torch.zeros(d_model) if b_O is None else b_O
+        pattern = cast(pattern)
+        return cls(
+            walk=core.walk_matrix(pattern),
+            gates=core.gates(pattern),
+            field=cast(field),
+            W_V=cast(W_V),
+            W_O=cast(W_O),
+            b_V=cast(b_V),
+            b_O=cast(b_O),
+            layer=layer,
+            processing=dict(processing or {}),
+        )
+
+    @property
+    def n_heads(self) -> int:
+        return self.gates.shape[1]
+
+    @property
+    def patterns(self) -> Float[Tensor, "batch head query key"]:
+        """The per-head patterns ``A^h_ij = H W_ij g^h_ij`` the walk and gates recombine into."""
+        return core.patterns_from_walk(self.walk, self.gates)
+
+    @property
+    def head_transports(self) -> FactoredMatrix:
+        """``T^h = W_V^h W_O^h`` as a ``FactoredMatrix`` ``[head, d_model, d_model]``."""
+        return core.head_transports(self.W_V, self.W_O)
+
+    @overload
+    def effective_transport(
+        self, query: None = None, key: None = None
+    ) -> core.EffectiveTransport: ...
+
+    @overload
+    def effective_transport(self, query: int, key: int) -> FactoredMatrix: ...
+
+    def effective_transport(
+        self, query: int | None = None, key: int | None = None
+    ) -> FactoredMatrix | core.EffectiveTransport:
+        """``T_ij = H sum_h g^h_ij T^h`` for the edge ``key -> query``, every batch element.
+
+        With an edge, a ``FactoredMatrix`` ``[batch, d_model, d_model]`` of inner width
+        ``H d_head`` (``.AB`` is the dense map). Without, every edge lazily as an
+        :class:`~tl_connwalk.core.walk.EffectiveTransport` (index it ``[query, key]``).
+
+        >>> walk.effective_transport(3, 1).AB.shape  # doctest: +SKIP
+        torch.Size([batch, d_model, d_model])
+        """
+        lazy = core.EffectiveTransport(self.gates, self.W_V, self.W_O)
+        if query is None and key is None:
+            return lazy
+        if query is None or key is None:
+            raise ConnWalkError(
+                "effective_transport takes both query and key (one edge) or neither (all edges); "
+                f"got query={query}, key={key}."
+            )
+        n_pos = self.walk.shape[-1]
+        for name, index in (("query", query), ("key", key)):
+            if not -n_pos <= index < n_pos:
+                raise ConnWalkError(
+                    f"{name}={index} is out of range for a walk over {n_pos} positions."
+                )
+        return lazy[query, key]
+
+    def apply(
+        self, field: Float[Tensor, "batch key d_model"] | None = None
+    ) -> Float[Tensor, "batch query d_model"]:
+        """``(P X)_i = sum_j W_ij x_j T_ij``; ``field`` defaults to the field the layer read."""
+        field = self.field if field is None else field.to(self.field)
+        return core.propagate(self.patterns, field, self.W_V, self.W_O)
+
+    def bias(self) -> Float[Tensor, "batch query d_model"]:
+        """``c_i = sum_h (sum_j A^h_ij) b_V^h W_O^h + b_O``, so that output ``= P X + c``."""
+        return core.attention_bias(self.patterns, self.b_V, self.W_O, self.b_O)
+
+    def generator(self) -> ConnectionGenerator:
+        """``L = I - P`` as an operator: ``.matvec(field)``, ``.to_dense()`` on request."""
+        return ConnectionGenerator(self.patterns, self.W_V, self.W_O)
+
+    def __repr__(self) -> str:
+        batch, n_heads, n_pos, _ = self.gates.shape
+        d_model, d_head = self.W_V.shape[1:]
+        layer = "" if self.layer is None else f"layer={self.layer}, "
+        processing = ", ".join(f"{k}={v}" for k, v in self.processing.items()) or "unknown"
+        return (
+            f"ConnectionWalk({layer}batch={batch}, pos={n_pos}, heads={n_heads}, "
+            f"d_model={d_model}, d_head={d_head}, dtype={self.walk.dtype}, "
+            f"device={self.walk.device}, processing: {processing})"
+        )
+
+
+def _check_shapes(pattern: Tensor, field: Tensor, W_V: Tensor, W_O: Tensor) -> None:
+    """Raise a ConnWalkError naming the shapes when the operands do not fit together."""
+    shapes = (
+        f"pattern {tuple(pattern.shape)} [batch, head, query, key], field {tuple(field.shape)} "
+        f"[batch, key, d_model], W_V {tuple(W_V.shape)} [head, d_model, d_head], "
+        f"W_O {tuple(W_O.shape)} [head, d_head, d_model]"
+    )
+    if pattern.ndim != 4 or field.ndim != 3 or W_V.ndim != 3 or W_O.ndim != 3:
+        raise ConnWalkError(f"operands have the wrong number of axes: {shapes}.")
+    batch, n_heads, n_query, n_key = pattern.shape
+    consistent = (
+        field.shape[:2] == (batch, n_key)
+        and n_query == n_key
+        and W_V.shape[0] == n_heads == W_O.shape[0]
+        and W_V.shape[1] == field.shape[2] == W_O.shape[2]
+        and W_V.shape[2] == W_O.shape[1]
+    )
+    if not consistent:
+        raise ConnWalkError(f"operand shapes do not fit together: {shapes}.")
+    if n_key == 0:
+        raise ConnWalkError("the walk has no positions (empty sequence); run at least one token.")
