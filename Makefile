@@ -24,7 +24,7 @@ demo: setup
 
 lint: setup
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
+	$(BIN)/ruff format --check tl_connwalk tests
 	$(BIN)/mypy
 
 test: lint
