@@ -11,14 +11,13 @@ import warnings
 from collections.abc import Sequence
 
 import torch
+from transformer_lens import HookedTransformer, HookedTransformerConfig
 
-from tl_connwalk.attach import attach, detach
+from tl_connwalk.cache import connection_walk
 from tl_connwalk.walk import ConnectionWalk
 
 
-def _demo_model(seed: int) -> torch.nn.Module:
-    from transformer_lens import HookedTransformer, HookedTransformerConfig
-
+def _demo_model(seed: int) -> HookedTransformer:
     cfg = HookedTransformerConfig(
         n_layers=4, d_model=64, n_heads=4, d_head=16, d_mlp=256, n_ctx=64, d_vocab=100,
         act_fn="gelu_new", normalization_type="LN", seed=seed,
@@ -37,40 +36,34 @@ def _print_walk(walk: ConnectionWalk) -> None:
 def demo(seed: int = 0, n_pos: int = 8) -> int:
     """Run the demo; returns the process exit code (1 if the identity fails)."""
     model = _demo_model(seed)
-    attach(model)
-    try:
-        tokens = torch.randint(0, 100, (2, n_pos), generator=torch.Generator().manual_seed(seed))
-        _, cache = model.run_with_cache(tokens)
-        print(
-            "tl_connwalk demo: a random 4-layer GPT-2-style HookedTransformer (d_model 64, 4 heads)"
-        )
-        print("identity  walk.apply() + walk.bias() == blocks.{l}.hook_attn_out  (float32)")
-        worst = 0.0
-        for layer in range(model.cfg.n_layers):
-            walk = cache.connection_walk(layer)
-            rebuilt = walk.apply() + walk.bias()
-            reference = cache[f"blocks.{layer}.hook_attn_out"]
-            error = ((rebuilt - reference).abs().max() / reference.abs().max()).item()
-            worst = max(worst, error)
-            print(f"  layer {layer}: max |error| / max |output| = {error:.2e}")
-        walk = cache.connection_walk(0)
-        _print_walk(walk)
-        i, j = n_pos - 1, n_pos // 2
-        T = walk.effective_transport(i, j)
-        gates = ", ".join(f"{g:.2f}" for g in walk.gates[0, :, i, j].tolist())
-        print(f"\nedge {j} -> {i}: gates g = [{gates}], W_ij = {walk.walk[0, i, j]:.3f}")
-        singular = torch.linalg.svdvals(T.AB[0])
-        print(
-            f"effective transport T_ij: FactoredMatrix {tuple(T.shape)}, inner width {T.mdim}, "
-            f"top singular values {[round(s, 3) for s in singular[:4].tolist()]}"
-        )
-        print(f"\n{walk}")
-        ok = worst < 1e-5
-        verdict = "holds" if ok else "FAILS"
-        print(f"\nidentity {verdict}: worst relative error {worst:.2e} (bound 1e-5)")
-        return 0 if ok else 1
-    finally:
-        detach(model)
+    tokens = torch.randint(0, 100, (2, n_pos), generator=torch.Generator().manual_seed(seed))
+    _, cache = model.run_with_cache(tokens)
+    print("tl_connwalk demo: a random 4-layer GPT-2-style HookedTransformer (d_model 64, 4 heads)")
+    print("identity  walk.apply() + walk.bias() == blocks.{l}.hook_attn_out  (float32)")
+    worst = 0.0
+    for layer in range(model.cfg.n_layers):
+        walk = connection_walk(cache, layer)
+        rebuilt = walk.apply() + walk.bias()
+        reference = cache[f"blocks.{layer}.hook_attn_out"]
+        error = ((rebuilt - reference).abs().max() / reference.abs().max()).item()
+        worst = max(worst, error)
+        print(f"  layer {layer}: max |error| / max |output| = {error:.2e}")
+    walk = connection_walk(cache, 0)
+    _print_walk(walk)
+    i, j = n_pos - 1, n_pos // 2
+    T = walk.effective_transport(i, j)
+    gates = ", ".join(f"{g:.2f}" for g in walk.gates[0, :, i, j].tolist())
+    print(f"\nedge {j} -> {i}: gates g = [{gates}], W_ij = {walk.walk[0, i, j]:.3f}")
+    singular = torch.linalg.svdvals(T.A[0] @ T.B[0])
+    print(
+        f"effective transport T_ij: FactoredMatrix {tuple(T.shape)}, inner width {T.mdim}, "
+        f"top singular values {[round(s, 3) for s in singular[:4].tolist()]}"
+    )
+    print(f"\n{walk}")
+    ok = worst < 1e-5
+    verdict = "holds" if ok else "FAILS"
+    print(f"\nidentity {verdict}: worst relative error {worst:.2e} (bound 1e-5)")
+    return 0 if ok else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
