@@ -1,13 +1,34 @@
-"""Tiny randomly initialised HookedTransformer architectures covering what tl_connwalk supports.
+"""Tiny randomly initialised architectures covering what tl_connwalk supports.
 
-Weights are redrawn with a larger spread than TransformerLens's init so that patterns are far
-from uniform and biases are non-zero: a wrong gate, bias or field then shows in the identity.
+``ARCHITECTURES`` are HookedTransformer configs (TransformerLens 3.x only); ``BRIDGES`` are
+TransformerBridge models built offline by :mod:`tl_connwalk.toy` (3.x and 4.x). Weights are
+redrawn with a larger spread than the default init so that patterns are far from uniform and
+biases are non-zero: a wrong gate, bias or field then shows in the identity.
 """
 
 import warnings
+from typing import Any
 
+import pytest
 import torch
-from transformer_lens import HookedTransformer, HookedTransformerConfig
+from transformer_lens import ActivationCache
+
+from tl_connwalk.toy import random_bridge
+
+try:
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+except ImportError:  # TransformerLens 4.x removed them
+    HookedTransformer = HookedTransformerConfig = None  # type: ignore[assignment,misc]
+
+HAS_HOOKED = HookedTransformer is not None
+hooked_only = pytest.mark.skipif(
+    not HAS_HOOKED, reason="TransformerLens 4.x has no HookedTransformer"
+)
+
+#: (toy architecture, compatibility mode) pairs for TransformerBridge tests
+BRIDGES = [
+    (arch, compat) for arch in ("gpt2", "llama", "gemma3", "bert") for compat in (False, True)
+]
 
 BASE = dict(n_layers=2, d_model=24, d_head=4, n_heads=4, n_ctx=16, d_vocab=40, d_mlp=32, seed=0)
 
@@ -72,7 +93,7 @@ ARCHITECTURES: dict[str, tuple[dict, dict | None]] = {
 }
 
 
-def build(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> HookedTransformer:
+def build(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
     """A tiny random model of architecture ``name`` (see ARCHITECTURES)."""
     overrides, processing = ARCHITECTURES[name]
     cfg = HookedTransformerConfig(**{**BASE, **overrides, "seed": seed})
@@ -95,3 +116,15 @@ def tokens(batch: int = 2, pos: int = 9, seed: int = 1) -> torch.Tensor:
     return torch.randint(
         0, BASE["d_vocab"], (batch, pos), generator=torch.Generator().manual_seed(seed)
     )
+
+
+def attention_output(model: Any, cache: ActivationCache, layer: int) -> torch.Tensor:
+    """The attention module's own output as TransformerLens caches it (no ln1_post models)."""
+    if HAS_HOOKED and isinstance(model, HookedTransformer):
+        return cache[f"blocks.{layer}.hook_attn_out"]
+    return cache[f"blocks.{layer}.attn.o.hook_out"]
+
+
+def default_model() -> Any:
+    """GPT-2-style: a HookedTransformer where TransformerLens has one, else a Bridge."""
+    return build("gpt2_ln") if HAS_HOOKED else random_bridge("gpt2", d_model=24)

@@ -7,8 +7,9 @@ import torch
 from transformer_lens import ActivationCache
 
 import tl_connwalk
-from tests.architectures import build, tokens
+from tests.architectures import tokens
 from tests.tolerances import assert_close
+from tl_connwalk.toy import random_bridge
 
 
 def state_digest(model) -> str:
@@ -57,7 +58,7 @@ def test_attach_detach_are_idempotent_and_leave_no_trace(gpt2):
 
 
 def test_methods_stay_while_another_model_is_attached(gpt2):
-    other = build("llama_gqa_rotary")
+    other = random_bridge("llama")
     tl_connwalk.attach(gpt2)
     tl_connwalk.attach(other)
     tl_connwalk.detach(gpt2)

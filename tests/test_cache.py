@@ -1,6 +1,7 @@
 """connection_walk on caches: the hooks it needs, and the errors for everything else."""
 
 import inspect
+import re
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from torch import nn
 from transformer_lens import ActivationCache
 
 import tl_connwalk
-from tests.architectures import build, tokens
+from tests.architectures import attention_output, build, tokens
 from tests.tolerances import assert_close
 
 # Under test, jaxtyping+beartype reject wrong argument types before our checks run; users run
@@ -31,10 +32,12 @@ def test_required_hooks_are_enough(arch):
 
 
 def test_missing_hooks_are_named_with_a_fix(gpt2):
-    _, cache = gpt2.run_with_cache(tokens(), names_filter=lambda name: "hook_pattern" not in name)
-    message = (
-        r"(?s)lacks \['blocks.1.attn.hook_pattern'\].*"
-        r"names_filter=\['blocks.1.attn.hook_pattern', 'blocks.1.ln1.hook_normalized'\]"
+    without_patterns = [n for n in tl_connwalk.required_hooks(gpt2) if "hook_pattern" not in n]
+    _, cache = gpt2.run_with_cache(tokens(), names_filter=without_patterns)
+    needed = tl_connwalk.required_hooks(gpt2, 1)
+    assert needed[0] == "blocks.1.attn.hook_pattern"
+    message = r"(?s)lacks \['blocks.1.attn.hook_pattern'\].*" + re.escape(
+        f"names_filter={needed!r}"
     )
     with pytest.raises(tl_connwalk.ConnWalkError, match=message):
         tl_connwalk.connection_walk(cache, 1)
@@ -96,7 +99,7 @@ def test_single_token_sequence(gpt2):
     _, cache = gpt2.run_with_cache(tokens(pos=1))
     walk = tl_connwalk.connection_walk(cache, 0)
     assert_close(walk.walk, torch.ones(2, 1, 1))
-    assert_close(walk.apply() + walk.bias(), cache["blocks.0.hook_attn_out"])
+    assert_close(walk.apply() + walk.bias(), attention_output(gpt2, cache, 0))
 
 
 def test_measurements_do_not_mutate_the_cache(gpt2):

@@ -7,8 +7,10 @@ import torch
 from einops import einsum
 
 import tl_connwalk
-from tests.architectures import build, tokens
+from tests.architectures import build, hooked_only, tokens
 from tests.tolerances import assert_close
+
+pytestmark = hooked_only
 
 
 @pytest.fixture(scope="module")

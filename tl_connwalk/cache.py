@@ -7,6 +7,7 @@ plain ``ActivationCache`` objects TransformerLens builds internally (``apply_sli
 """
 
 from collections.abc import Iterable
+from typing import cast
 
 from torch import nn
 from transformer_lens import ActivationCache
@@ -60,7 +61,8 @@ def connection_walk(
             f"expected a transformer_lens ActivationCache, got {type(cache).__name__}; "
             "make one with `logits, cache = model.run_with_cache(tokens)`."
         )
-    model = cache.model if model is None else model
+    if model is None:
+        model = cast(nn.Module | None, cache.model)
     if model is None:
         raise ConnWalkError(
             "this cache does not know its model; pass it: "

@@ -1,30 +1,20 @@
 """The ``tl-connwalk`` command line.
 
 ``tl-connwalk demo`` (the default) builds a small randomly initialised GPT-2-style
-``HookedTransformer`` offline, checks the paper's first theorem on every layer (the connection
-walk rebuilds ``hook_attn_out``) and prints one layer's walk, gates and one edge's transport.
+``TransformerBridge`` offline (TransformerLens 3.x and 4.x), checks the paper's first theorem on
+every layer (the connection walk rebuilds the attention output ``attn.o.hook_out``) and prints
+one layer's walk, gates and one edge's transport.
 """
 
 import argparse
 import sys
-import warnings
 from collections.abc import Sequence
 
 import torch
-from transformer_lens import HookedTransformer, HookedTransformerConfig
 
 from tl_connwalk.cache import connection_walk
+from tl_connwalk.toy import VOCAB, random_bridge
 from tl_connwalk.walk import ConnectionWalk
-
-
-def _demo_model(seed: int) -> HookedTransformer:
-    cfg = HookedTransformerConfig(
-        n_layers=4, d_model=64, n_heads=4, d_head=16, d_mlp=256, n_ctx=64, d_vocab=100,
-        act_fn="gelu_new", normalization_type="LN", seed=seed,
-    )  # fmt: skip
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return HookedTransformer(cfg)
 
 
 def _print_walk(walk: ConnectionWalk) -> None:
@@ -35,16 +25,16 @@ def _print_walk(walk: ConnectionWalk) -> None:
 
 def demo(seed: int = 0, n_pos: int = 8) -> int:
     """Run the demo; returns the process exit code (1 if the identity fails)."""
-    model = _demo_model(seed)
-    tokens = torch.randint(0, 100, (2, n_pos), generator=torch.Generator().manual_seed(seed))
+    model = random_bridge("gpt2", n_layers=4, d_model=64, n_heads=4, seed=seed)
+    tokens = torch.randint(0, VOCAB, (2, n_pos), generator=torch.Generator().manual_seed(seed))
     _, cache = model.run_with_cache(tokens)
-    print("tl_connwalk demo: a random 4-layer GPT-2-style HookedTransformer (d_model 64, 4 heads)")
-    print("identity  walk.apply() + walk.bias() == blocks.{l}.hook_attn_out  (float32)")
+    print("tl_connwalk demo: a random 4-layer GPT-2-style TransformerBridge (d_model 64, 4 heads)")
+    print("identity  walk.apply() + walk.bias() == blocks.{l}.attn.o.hook_out  (float32)")
     worst = 0.0
     for layer in range(model.cfg.n_layers):
         walk = connection_walk(cache, layer)
         rebuilt = walk.apply() + walk.bias()
-        reference = cache[f"blocks.{layer}.hook_attn_out"]
+        reference = cache[f"blocks.{layer}.attn.o.hook_out"]
         error = ((rebuilt - reference).abs().max() / reference.abs().max()).item()
         worst = max(worst, error)
         print(f"  layer {layer}: max |error| / max |output| = {error:.2e}")

@@ -5,8 +5,10 @@ import torch
 from einops import einsum
 
 import tl_connwalk
-from tests.architectures import build, tokens
+from tests.architectures import build, hooked_only, tokens
 from tests.tolerances import assert_close
+
+pytestmark = hooked_only
 
 
 def attention_outputs(model, toks):
@@ -119,3 +121,27 @@ def test_processing_is_reported():
     assert processed.processing == dict(
         fold_ln=True, center_writing_weights=True, fold_value_biases=True
     )
+
+
+def test_hooked_encoder_with_padding():
+    """HookedEncoder (BERT, post-norm): field hook_resid_pre; padded keys are off the walk."""
+    from transformer_lens import HookedEncoder, HookedTransformerConfig
+
+    cfg = HookedTransformerConfig(
+        n_layers=2, d_model=24, n_heads=4, d_head=6, d_mlp=32, n_ctx=16, d_vocab=40,
+        act_fn="gelu", attention_dir="bidirectional", normalization_type="LN",
+    )  # fmt: skip
+    model = HookedEncoder(cfg)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(0.2 * torch.randn(param.shape, generator=generator))
+    toks = tokens(batch=2, pos=7)
+    mask = torch.ones_like(toks)
+    mask[1, 4:] = 0
+    _, cache = model.run_with_cache(toks, one_zero_attention_mask=mask)
+    assert tl_connwalk.required_hooks(model, 0)[1] == "blocks.0.hook_resid_pre"
+    for layer in range(2):
+        walk = tl_connwalk.connection_walk(cache, layer)
+        assert walk.walk[1, :, 4:].abs().max() == 0
+        assert_close(walk.apply() + walk.bias(), cache[f"blocks.{layer}.hook_attn_out"])

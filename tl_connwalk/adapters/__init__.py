@@ -10,7 +10,7 @@ from typing import Protocol, runtime_checkable
 from torch import nn
 from transformer_lens import ActivationCache
 
-from tl_connwalk.adapters import hooked_transformer
+from tl_connwalk.adapters import bridge, hooked_transformer
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.walk import ConnectionWalk
 
@@ -32,7 +32,7 @@ class Adapter(Protocol):
     ) -> ConnectionWalk: ...
 
 
-ADAPTERS: tuple[Adapter, ...] = (hooked_transformer,)
+ADAPTERS: tuple[Adapter, ...] = (hooked_transformer, bridge)
 
 
 def adapter_for(model: object) -> Adapter:

@@ -1,11 +1,13 @@
-"""Adapter for TransformerLens ``HookedTransformer`` (SPEC section 0).
+"""Adapter for TransformerLens ``HookedTransformer`` and ``HookedEncoder`` (SPEC section 0).
 
-The field ``x_j`` is exactly the vector the value projection reads:
+Both classes exist in TransformerLens 3.x and were removed in 4.0; there ``supports`` is
+always false. The field ``x_j`` is exactly the vector the value projection reads:
 
 - LayerNorm folded (``LNPre``/``RMSPre``): ``blocks.{l}.ln1.hook_normalized``;
 - unfolded ``LN``/``RMS``: that times ``ln1.w`` (plus ``ln1.b``): the hook sits before the
   affine part;
-- no normalisation, or post-norm architectures (OLMo 2/3): ``blocks.{l}.hook_resid_pre``.
+- no normalisation, post-norm architectures (OLMo 2/3) and ``HookedEncoder`` (BERT
+  normalises after each sublayer): ``blocks.{l}.hook_resid_pre``.
 
 Patterns are ``blocks.{l}.attn.hook_pattern``; weights are read from the model when the walk is
 built (``attn.W_V`` expands grouped-query heads: query head ``h`` reads KV head
@@ -14,16 +16,37 @@ field: the walk describes the weights acting on the layer's input.
 """
 
 import importlib
-from typing import cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import transformer_lens
 from torch import Tensor, nn
-from transformer_lens import ActivationCache, HookedTransformer
+from transformer_lens import ActivationCache
 
+from tl_connwalk.adapters.weights import inferred_processing
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.walk import ConnectionWalk
 
-NAME = "transformer_lens.HookedTransformer"
+if TYPE_CHECKING:
+    from transformer_lens import HookedTransformer
+
+NAME = "transformer_lens.HookedTransformer and HookedEncoder (TransformerLens 3.x)"
+
+
+def _optional_class(name: str) -> Any:
+    """``transformer_lens.<name>``, or None where this release removed it.
+
+    TransformerLens 4.x raises ImportError (not AttributeError) for its removed classes.
+    """
+    try:
+        return getattr(transformer_lens, name, None)
+    except ImportError:
+        return None
+
+
+_HOOKED_TRANSFORMER: Any = _optional_class("HookedTransformer")
+_HOOKED_ENCODER: Any = _optional_class("HookedEncoder")
+_CLASSES: tuple[type, ...] = tuple(c for c in (_HOOKED_TRANSFORMER, _HOOKED_ENCODER) if c)
 
 _architectures = importlib.import_module("transformer_lens.utilities.architectures")
 #: Architectures whose ln1 normalises the attention *output*; their value input is the residual.
@@ -33,12 +56,12 @@ POST_NORM_ARCHITECTURES: frozenset[str] = frozenset(
 
 
 def supports(model: nn.Module) -> bool:
-    return isinstance(model, HookedTransformer)
+    return isinstance(model, _CLASSES)
 
 
-def _hooked(model: nn.Module) -> HookedTransformer:
-    """``model`` as the class this adapter serves (``supports`` was checked by the caller)."""
-    return cast(HookedTransformer, model)
+def _hooked(model: nn.Module) -> "HookedTransformer":
+    """``model`` as the classes this adapter serves share it (``supports`` was checked)."""
+    return cast("HookedTransformer", model)
 
 
 def n_layers(model: nn.Module) -> int:
@@ -47,9 +70,14 @@ def n_layers(model: nn.Module) -> int:
 
 def _field_hook(model: nn.Module, layer: int) -> str:
     cfg = _hooked(model).cfg
-    if cfg.normalization_type is None or cfg.original_architecture in POST_NORM_ARCHITECTURES:
+    post_norm = cfg.original_architecture in POST_NORM_ARCHITECTURES
+    if cfg.normalization_type is None or post_norm or _is_encoder(model):
         return f"blocks.{layer}.hook_resid_pre"
     return f"blocks.{layer}.ln1.hook_normalized"
+
+
+def _is_encoder(model: nn.Module) -> bool:
+    return _HOOKED_ENCODER is not None and isinstance(model, _HOOKED_ENCODER)
 
 
 def required_hooks(model: nn.Module, layer: int) -> list[str]:
@@ -64,12 +92,9 @@ def processing(model: nn.Module, layer: int) -> dict[str, bool]:
     ``fold_value_biases`` are inferred: every ``W_O`` output centred, every ``b_V`` zero.
     """
     attn = _hooked(model).blocks[layer].attn
-    W_O, b_V = attn.W_O.detach(), attn.b_V.detach()
-    centred = W_O.mean(-1).abs().max() <= 1e-6 * W_O.abs().max().clamp_min(1e-30)
     return {
         "fold_ln": str(_hooked(model).cfg.normalization_type).endswith("Pre"),
-        "center_writing_weights": bool(centred),
-        "fold_value_biases": bool((b_V == 0).all()),
+        **inferred_processing(attn.W_O.detach(), attn.b_V.detach()),
     }
 
 

@@ -1,0 +1,76 @@
+"""Adapter for TransformerLens ``TransformerBridge`` (3.x and 4.x, compatibility mode or not).
+
+The Bridge wraps a Hugging Face model. Its attention component's input hook
+``blocks.{l}.attn.hook_in`` is exactly the value input in every architecture and both modes
+(after ``ln1`` in pre-norm models; the residual stream in post-norm encoders such as BERT),
+so it is the field. Patterns are ``blocks.{l}.attn.hook_pattern`` (padding-masked keys carry
+zero weight, so an encoder's walk is over its unmasked keys). The Bridge's ``attn.W_V`` /
+``b_V`` keep the unexpanded key-value heads of grouped-query models; they are expanded here.
+Missing biases (Llama, Gemma) are zero. The attention module's own output is
+``blocks.{l}.attn.hook_out`` (before ``ln1_post`` in Gemma 2/3).
+"""
+
+from typing import cast
+
+import torch
+from torch import Tensor, nn
+from transformer_lens import ActivationCache
+from transformer_lens.model_bridge import TransformerBridge
+
+from tl_connwalk.adapters.weights import expand_kv_heads, inferred_processing
+from tl_connwalk.walk import ConnectionWalk
+
+NAME = "transformer_lens.model_bridge.TransformerBridge"
+
+
+def supports(model: nn.Module) -> bool:
+    return isinstance(model, TransformerBridge)
+
+
+def _bridge(model: nn.Module) -> TransformerBridge:
+    return cast(TransformerBridge, model)
+
+
+def n_layers(model: nn.Module) -> int:
+    return int(_bridge(model).cfg.n_layers)
+
+
+def required_hooks(model: nn.Module, layer: int) -> list[str]:
+    """The cache entries one layer's walk is built from."""
+    return [f"blocks.{layer}.attn.hook_pattern", f"blocks.{layer}.attn.hook_in"]
+
+
+def _weights(model: nn.Module, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``W_V, W_O, b_V, b_O`` of one layer, KV heads expanded, absent biases as zeros."""
+    attn = _bridge(model).blocks[layer].attn
+    W_O = attn.W_O.detach()
+    n_heads, d_head, d_model = W_O.shape
+    W_V = expand_kv_heads(attn.W_V.detach(), n_heads)
+    b_V = attn.b_V
+    b_V = torch.zeros(n_heads, d_head) if b_V is None else expand_kv_heads(b_V.detach(), n_heads)
+    b_O = attn.b_O
+    b_O = torch.zeros(d_model) if b_O is None else b_O.detach()
+    return W_V, W_O, b_V, b_O
+
+
+def processing(model: nn.Module, layer: int) -> dict[str, bool]:
+    """The Bridge's mode and the weight processing one layer shows (SPEC 2)."""
+    bridge = _bridge(model)
+    attn = bridge.blocks[layer].attn
+    b_V = attn.b_V
+    return {
+        "compatibility_mode": bool(getattr(bridge, "compatibility_mode", False)),
+        "weights_processed": bool(getattr(bridge, "_weights_processed", False)),
+        **inferred_processing(attn.W_O.detach(), None if b_V is None else b_V.detach()),
+    }
+
+
+def walk_from_cache(cache: ActivationCache, model: nn.Module, layer: int) -> ConnectionWalk:
+    """Layer ``layer``'s connection walk from a cache of ``model`` (hooks checked by the caller)."""
+    pattern = cache[f"blocks.{layer}.attn.hook_pattern"]
+    field = cache[f"blocks.{layer}.attn.hook_in"]
+    if not cache.has_batch_dim:
+        pattern, field = pattern.unsqueeze(0), field.unsqueeze(0)
+    return ConnectionWalk.from_pattern(
+        pattern, field, *_weights(model, layer), layer=layer, processing=processing(model, layer)
+    )

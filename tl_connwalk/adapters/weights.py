@@ -1,0 +1,26 @@
+"""Weight helpers shared by the adapters: grouped-query expansion and processing inference."""
+
+import torch
+from torch import Tensor
+
+
+def expand_kv_heads(weight: Tensor, n_heads: int) -> Tensor:
+    """Repeat key-value heads along axis 0 so query head ``h`` gets KV head ``h // (H / H_kv)``."""
+    n_kv_heads = weight.shape[0]
+    return (
+        weight if n_kv_heads == n_heads else weight.repeat_interleave(n_heads // n_kv_heads, dim=0)
+    )
+
+
+def inferred_processing(W_O: Tensor, b_V: Tensor | None) -> dict[str, bool]:
+    """``center_writing_weights`` and ``fold_value_biases`` as the weights show them (SPEC 2).
+
+    TransformerLens records neither: ``W_O`` centred means every output row of every head has
+    mean zero over ``d_model`` (to float rounding); value biases folded means ``b_V`` is zero or
+    absent.
+    """
+    scale = W_O.abs().max().clamp_min(torch.finfo(W_O.dtype).tiny)
+    return {
+        "center_writing_weights": bool(W_O.mean(-1).abs().max() <= 1e-6 * scale),
+        "fold_value_biases": b_V is None or bool((b_V == 0).all()),
+    }
