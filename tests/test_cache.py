@@ -11,6 +11,7 @@ from transformer_lens import ActivationCache
 import tl_connwalk
 from tests.architectures import attention_output, build, tokens
 from tests.tolerances import assert_close
+from tl_connwalk.toy import random_bridge
 
 # Under test, jaxtyping+beartype reject wrong argument types before our checks run; users run
 # without them, so the messages they see come from the undecorated function.
@@ -109,3 +110,28 @@ def test_measurements_do_not_mutate_the_cache(gpt2):
     walk.apply(), walk.bias(), walk.generator().to_dense(), walk.effective_transport(2, 1).AB
     for name, value in cache.items():
         assert torch.equal(value, before[name]), name
+
+
+def test_cache_from_another_model_is_named():
+    _, cache = random_bridge("gpt2").run_with_cache(tokens())
+    other = random_bridge("llama", n_heads=2, d_model=16)
+    with pytest.raises(
+        tl_connwalk.ConnWalkError, match="model has 2 heads: was this cache made by another model"
+    ):
+        tl_connwalk.connection_walk(cache, 0, model=other)
+
+
+def test_nan_pattern_names_layer_and_head(gpt2):
+    _, cache = gpt2.run_with_cache(tokens())
+    cache.cache_dict["blocks.1.attn.hook_pattern"][1, 2, 3, 0] = float("nan")
+    with pytest.raises(tl_connwalk.ConnWalkError, match=r"layer 1: .* NaN or Inf in heads \[2\]"):
+        tl_connwalk.connection_walk(cache, 1)
+
+
+def test_wrong_batch_flag_is_explained(gpt2):
+    _, cache = gpt2.run_with_cache(tokens())
+    lying = ActivationCache(cache.cache_dict, gpt2, has_batch_dim=False)
+    with pytest.raises(
+        tl_connwalk.ConnWalkError, match="has_batch_dim=False — does that match its tensors"
+    ):
+        tl_connwalk.connection_walk(lying, 0)

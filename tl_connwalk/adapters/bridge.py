@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from transformer_lens import ActivationCache
 from transformer_lens.model_bridge import TransformerBridge
 
+from tl_connwalk.adapters.checks import batched, check_field, check_pattern
 from tl_connwalk.adapters.weights import expand_kv_heads, inferred_processing
 from tl_connwalk.walk import ConnectionWalk
 
@@ -67,10 +68,12 @@ def processing(model: nn.Module, layer: int) -> dict[str, bool]:
 
 def walk_from_cache(cache: ActivationCache, model: nn.Module, layer: int) -> ConnectionWalk:
     """Layer ``layer``'s connection walk from a cache of ``model`` (hooks checked by the caller)."""
-    pattern = cache[f"blocks.{layer}.attn.hook_pattern"]
-    field = cache[f"blocks.{layer}.attn.hook_in"]
-    if not cache.has_batch_dim:
-        pattern, field = pattern.unsqueeze(0), field.unsqueeze(0)
+    pattern_name, field_name = required_hooks(model, layer)
+    pattern = batched(cache[pattern_name], pattern_name, cache.has_batch_dim, 4)
+    field = batched(cache[field_name], field_name, cache.has_batch_dim, 3)
+    W_V, W_O, b_V, b_O = _weights(model, layer)
+    check_pattern(pattern, pattern_name, layer, W_O.shape[0])
+    check_field(field, field_name, W_O.shape[2], pattern.shape[-1])
     return ConnectionWalk.from_pattern(
-        pattern, field, *_weights(model, layer), layer=layer, processing=processing(model, layer)
+        pattern, field, W_V, W_O, b_V, b_O, layer=layer, processing=processing(model, layer)
     )

@@ -23,6 +23,7 @@ import transformer_lens
 from torch import Tensor, nn
 from transformer_lens import ActivationCache
 
+from tl_connwalk.adapters.checks import batched, check_field, check_pattern
 from tl_connwalk.adapters.weights import inferred_processing
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.walk import ConnectionWalk
@@ -100,10 +101,10 @@ def processing(model: nn.Module, layer: int) -> dict[str, bool]:
 
 def _value_input(cache: ActivationCache, model: nn.Module, layer: int) -> Tensor:
     name = _field_hook(model, layer)
-    x = cache[name]
-    if not cache.has_batch_dim:
-        x = x.unsqueeze(0)
-    if x.ndim == 4:
+    cfg = _hooked(model).cfg
+    per_head = name.endswith("hook_normalized") and (cfg.use_split_qkv_input or cfg.use_attn_in)
+    x = batched(cache[name], name, cache.has_batch_dim, 4 if per_head else 3)
+    if per_head:
         # use_split_qkv_input / use_attn_in: one copy of the input per (KV) head
         if not torch.equal(x, x[:, :, :1].expand_as(x)):
             raise ConnWalkError(
@@ -123,13 +124,16 @@ def _value_input(cache: ActivationCache, model: nn.Module, layer: int) -> Tensor
 
 def walk_from_cache(cache: ActivationCache, model: nn.Module, layer: int) -> ConnectionWalk:
     """Layer ``layer``'s connection walk from a cache of ``model`` (hooks checked by the caller)."""
-    pattern = cache[f"blocks.{layer}.attn.hook_pattern"]
-    if not cache.has_batch_dim:
-        pattern = pattern.unsqueeze(0)
+    name = f"blocks.{layer}.attn.hook_pattern"
+    pattern = batched(cache[name], name, cache.has_batch_dim, 4)
+    cfg = _hooked(model).cfg
+    check_pattern(pattern, name, layer, cfg.n_heads)
+    field = _value_input(cache, model, layer)
+    check_field(field, _field_hook(model, layer), cfg.d_model, pattern.shape[-1])
     attn = _hooked(model).blocks[layer].attn
     return ConnectionWalk.from_pattern(
         pattern,
-        _value_input(cache, model, layer),
+        field,
         attn.W_V.detach(),
         attn.W_O.detach(),
         attn.b_V.detach(),
