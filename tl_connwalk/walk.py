@@ -8,6 +8,7 @@ from a TransformerLens cache with ``cache.connection_walk(layer)`` (after
 """
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import overload
 
@@ -107,9 +108,12 @@ class ConnectionWalk:
     def n_heads(self) -> int:
         return self.gates.shape[1]
 
-    @property
+    @functools.cached_property
     def patterns(self) -> Float[Tensor, "batch head query key"]:
-        """The per-head patterns ``A^h_ij = H W_ij g^h_ij`` the walk and gates recombine into."""
+        """The per-head patterns ``A^h_ij = H W_ij g^h_ij`` the walk and gates recombine into.
+
+        Computed once per walk (``dataclasses.replace`` makes a new walk with a fresh one).
+        """
         return core.patterns_from_walk(self.walk, self.gates)
 
     @property
