@@ -45,7 +45,8 @@ def gates(pattern: Float[Tensor, "batch head query key"]) -> Float[Tensor, "batc
     total = reduce(pattern, "batch head query key -> batch 1 query key", "sum")
     has_mass = total > 0
     ratio = pattern / torch.where(has_mass, total, torch.ones_like(total))
-    return torch.where(has_mass, ratio, torch.full_like(ratio, 1.0 / n_heads))
+    # in place on the fresh quotient: one pattern-sized tensor at peak, not two
+    return ratio.masked_fill_(~has_mass, 1.0 / n_heads)
 
 
 def patterns_from_walk(

@@ -1,0 +1,105 @@
+"""Benchmarks as ratios against TransformerLens's own forward pass, measured side by side.
+
+Run: ``.venv/bin/python benchmarks/bench.py [--quick]``. Threads are pinned (``--threads``,
+default 1) so that the two sides of each ratio see the same machine; every timing is the
+median of interleaved repetitions. Peak memory is measured in a fresh subprocess per case as
+the growth of the process's peak resident set (``ru_maxrss``) over the case's inputs.
+"""
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+import tl_connwalk
+from tl_connwalk.toy import VOCAB, random_bridge
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def interleaved_ratio(
+    ours: Callable[[], object], reference: Callable[[], object], repeats: int
+) -> tuple[float, float, float]:
+    """(ours seconds, reference seconds, ratio), alternating the two to share machine noise."""
+    ours(), reference()  # warm up
+    a, b = [], []
+    for _ in range(repeats):
+        a.append(median_seconds(ours, 1))
+        b.append(median_seconds(reference, 1))
+    return statistics.median(a), statistics.median(b), statistics.median(a) / statistics.median(b)
+
+
+def layer_cost(n_pos: int, repeats: int) -> dict[str, float]:
+    """Building one layer's walk and applying it, vs one forward pass with run_with_cache."""
+    model = random_bridge("llama", n_layers=4, d_model=256, n_heads=8)
+    tokens = torch.randint(0, VOCAB - 1, (1, n_pos))
+    names = tl_connwalk.required_hooks(model)
+    _, cache = model.run_with_cache(tokens, names_filter=names)
+
+    def ours() -> None:
+        walk = tl_connwalk.connection_walk(cache, 2)
+        walk.apply() + walk.bias()
+
+    def forward() -> None:
+        with torch.no_grad():
+            model.run_with_cache(tokens, names_filter=names)
+
+    t_ours, t_ref, ratio = interleaved_ratio(ours, forward, repeats)
+    return {"tokens": n_pos, "walk_apply_bias_s": t_ours, "forward_s": t_ref, "ratio": ratio}
+
+
+def llama8b_layer(n_pos: int = 2048) -> dict[str, float]:
+    """One Llama-3-8B-shaped layer (32 heads, 8 KV heads, d_head 128, d_model 4096) at n_pos."""
+    heads, d_head, d_model = 32, 128, 4096
+    gen = torch.Generator().manual_seed(0)
+    # built in place, so that setting up does not raise the peak above the inputs themselves
+    pattern = torch.rand(1, heads, n_pos, n_pos, generator=gen).tril_()
+    pattern /= pattern.sum(-1, keepdim=True)
+    field = torch.randn(1, n_pos, d_model, generator=gen)
+    W_V = (torch.randn(8, d_model, d_head, generator=gen) / 64).repeat_interleave(4, 0)
+    W_O = torch.randn(heads, d_head, d_model, generator=gen) / 64
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    walk = tl_connwalk.ConnectionWalk.from_pattern(pattern, field, W_V, W_O)
+    walk.apply() + walk.bias()
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    return {"tokens": n_pos, "seconds": seconds, "peak_extra_MiB": peak / 1024,
+            "pattern_MiB": pattern.numel() * 4 / 2**20}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="256 and 1024 tokens only")
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.case == "llama8b":
+        print(json.dumps(llama8b_layer()))
+        return
+    results: dict[str, object] = {"threads": args.threads, "torch": torch.__version__}
+    sizes = [256, 1024] if args.quick else [256, 1024, 4096]
+    results["layer_cost"] = [layer_cost(n, repeats=5 if n < 4096 else 3) for n in sizes]
+    if not args.quick:
+        run = [sys.executable, __file__, "--case", "llama8b", "--threads", str(args.threads)]
+        out = subprocess.run(run, capture_output=True, text=True, check=True).stdout
+        results["llama8b_layer_2048"] = json.loads(out)
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
