@@ -1,0 +1,151 @@
+"""The field isometry defect (SPEC 3) against dense per-edge messages ``x_j T_ij`` in float64."""
+
+import inspect
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.core.test_isometry import dense_transports, orthogonal, random_problem
+from tests.tolerances import assert_close
+from tl_connwalk.core import field_defect as fd
+from tl_connwalk.core.walk import gates as split_gates
+from tl_connwalk.core.walk import walk_matrix
+from tl_connwalk.errors import ConnWalkError
+
+F64 = torch.float64
+
+
+def reference_ratios(field, g, W_V, W_O):
+    T = dense_transports(g, W_V, W_O)
+    messages = torch.einsum("bjd,bijde->bije", field, T)
+    return messages.norm(dim=-1) / field.norm(dim=-1)[:, None, :]
+
+
+def reference_cv(weights, values):
+    p = weights / weights.sum((1, 2), keepdim=True)
+    mean = (p * values).sum((1, 2))
+    return (p * (values - mean[:, None, None]) ** 2).sum((1, 2)).sqrt() / mean
+
+
+@pytest.mark.parametrize("heads", [1, 2, 3, 4])
+def test_ratios_and_defect_match_dense_messages(heads):
+    pattern, field, W_V, W_O = random_problem(heads=heads, causal=True, seed=heads)
+    walk, g = walk_matrix(pattern), split_gates(pattern)
+    rho = reference_ratios(field, g, W_V, W_O)
+    assert_close(fd.message_norm_ratios(field, g, W_V, W_O), rho)
+    assert_close(fd.field_isometry_defect(field, walk, g, W_V, W_O), reference_cv(walk, rho))
+    # exclude_sink: key 0 dropped, rows renormalised, query 0 (all on the sink) left out
+    kept = walk.clone()
+    kept[:, :, 0] = 0
+    kept = torch.where(kept.sum(-1, keepdim=True) > 0, kept / kept.sum(-1, keepdim=True), 0)
+    assert_close(
+        fd.field_isometry_defect(field, walk, g, W_V, W_O, exclude_sink=True),
+        reference_cv(kept, rho),
+    )
+
+
+def test_message_grams_and_head_ratios():
+    pattern, field, W_V, W_O = random_problem(heads=3)
+    messages = torch.einsum("bjd,hde,hef->bjhf", field, W_V, W_O)
+    assert_close(
+        fd.message_grams(field, W_V, W_O), torch.einsum("bjaf,bjcf->bjac", messages, messages)
+    )
+    head_rho = messages.norm(dim=-1) / field.norm(dim=-1)[..., None]
+    assert_close(fd.head_message_norm_ratios(field, W_V, W_O), head_rho)
+    walk, g = walk_matrix(pattern), split_gates(pattern)
+    expected = torch.stack(
+        [reference_cv(pattern[:, h], head_rho[:, None, :, h].expand(-1, 5, -1)) for h in range(3)],
+        dim=1,
+    )
+    assert_close(fd.head_field_isometry_defects(field, walk, g, W_V, W_O), expected)
+
+
+def test_zero_for_scaled_orthogonal_transport():
+    pattern, field, *_ = random_problem(heads=1, causal=True)
+    Q = orthogonal(12, 3)
+    W_V, W_O = 4.0 * Q[None, :, :], orthogonal(12, 4)[None]  # T = 4 Q Q': rho = 4 everywhere
+    walk, g = walk_matrix(pattern), split_gates(pattern)
+    rho = fd.message_norm_ratios(field, g, W_V, W_O)
+    assert_close(rho, torch.full_like(rho, 4.0))
+    defect = fd.field_isometry_defect(field, walk, g, W_V, W_O)
+    torch.testing.assert_close(defect, torch.zeros(2, dtype=F64), rtol=0, atol=1e-12)
+    heads = fd.head_field_isometry_defects(field, walk, g, W_V, W_O)
+    torch.testing.assert_close(heads, torch.zeros(2, 1, dtype=F64), rtol=0, atol=1e-12)
+
+
+def test_zero_fields_and_zero_maps_are_defined():
+    pattern, field, W_V, W_O = random_problem(heads=2, causal=True)
+    walk, g = walk_matrix(pattern), split_gates(pattern)
+    field[:, 2] = 0.0  # no message from key 2: ratio 0, its edges left out
+    rho = fd.message_norm_ratios(field, g, W_V, W_O)
+    assert torch.equal(rho[:, :, 2], torch.zeros(2, 5, dtype=F64))
+    kept = walk.clone()
+    kept[:, :, 2] = 0
+    kept = kept / kept.sum(-1, keepdim=True)
+    assert_close(
+        fd.field_isometry_defect(field, walk, g, W_V, W_O),
+        reference_cv(kept, reference_ratios(field, g, W_V, W_O).nan_to_num()),
+    )
+    assert torch.isfinite(fd.head_field_isometry_defects(field, walk, g, W_V, W_O)).all()
+    # the zero map: every ratio 0, defect 0 (0/0)
+    zero = fd.field_isometry_defect(field, walk, g, 0 * W_V, W_O)
+    assert torch.equal(zero, torch.zeros(2, dtype=F64))
+    assert torch.equal(
+        fd.head_field_isometry_defects(0 * field, walk, g, W_V, W_O), torch.zeros(2, 2, dtype=F64)
+    )
+
+
+def test_dtypes():
+    pattern, field, W_V, W_O = random_problem()
+    walk, g = walk_matrix(pattern), split_gates(pattern)
+    half = [t.bfloat16() for t in (field, walk, g, W_V, W_O)]
+    assert fd.field_isometry_defect(*half).dtype == torch.float32
+    assert fd.head_field_isometry_defects(*half).dtype == torch.float32
+    assert fd.field_isometry_defect(field, walk, g, W_V, W_O).dtype == F64
+
+
+def test_bad_input_raises_conn_walk_error():
+    pattern, field, W_V, W_O = random_problem()
+    walk, g = walk_matrix(pattern), split_gates(pattern)
+    with pytest.raises(ConnWalkError, match="do not compose"):
+        inspect.unwrap(fd.message_grams)(field[..., :5], W_V, W_O)
+    with pytest.raises(ConnWalkError, match="head = 3"):
+        inspect.unwrap(fd.message_norm_ratios)(field, g[:, :2], W_V, W_O)
+    with pytest.raises(ConnWalkError, match="disagree"):
+        inspect.unwrap(fd.head_field_isometry_defects)(field, walk[:, :4], g, W_V, W_O)
+    with pytest.raises(ConnWalkError, match="negative"):
+        fd.field_isometry_defect(field, -walk, g, W_V, W_O)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    heads=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+    field_scale=st.floats(1e-3, 1e3),
+    map_scale=st.floats(1e-3, 1e3),
+    exclude_sink=st.booleans(),
+)
+def test_invariant_under_scaling_and_output_rotation(
+    heads, seed, field_scale, map_scale, exclude_sink
+):
+    pattern, field, W_V, W_O = random_problem(
+        heads=heads, pos=4, d_model=6, d_head=2, seed=seed, causal=True
+    )
+    walk, g = walk_matrix(pattern), split_gates(pattern)
+
+    def both(x, value_w, out_w):
+        return (
+            fd.field_isometry_defect(x, walk, g, value_w, out_w, exclude_sink=exclude_sink),
+            fd.head_field_isometry_defects(x, walk, g, value_w, out_w, exclude_sink=exclude_sink),
+        )
+
+    base = both(field, W_V, W_O)
+    for variant in (
+        both(field_scale * field, W_V, W_O),
+        both(field, map_scale * W_V, W_O),
+        both(field, W_V, W_O @ orthogonal(6, seed)),
+    ):
+        for got, expected in zip(variant, base, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)

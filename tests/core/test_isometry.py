@@ -1,0 +1,367 @@
+"""Isometry and Gram defects (SPEC 3) against dense per-edge SVDs in float64.
+
+The references materialise every edge's ``d_model x d_model`` transport and call
+``torch.linalg.svdvals``; the closed forms must agree to 1e-7 (absolute, on values in [0, 1]).
+"""
+
+import inspect
+import math
+
+import pytest
+import torch
+from einops import einsum
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jaxtyping import TypeCheckError
+
+from tests.tolerances import assert_close
+from tl_connwalk.core import isometry as iso
+from tl_connwalk.core.walk import gates as split_gates
+from tl_connwalk.core.walk import walk_matrix
+from tl_connwalk.errors import ConnWalkError
+
+F64 = torch.float64
+CLOSED_FORM_ATOL = 1e-7  # closed form vs per-edge SVD, float64
+
+
+def random_problem(batch=2, heads=3, pos=5, d_model=12, d_head=3, seed=0, causal=False):
+    """Pattern, field and head weights in float64 (non-causal by default, so edges go both ways)."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = 2 * torch.randn(batch, heads, pos, pos, generator=gen, dtype=F64)
+    if causal:
+        scores = scores.masked_fill(torch.ones(pos, pos).triu(1).bool(), float("-inf"))
+    pattern = scores.softmax(-1)
+    field = torch.randn(batch, pos, d_model, generator=gen, dtype=F64)
+    W_V = torch.randn(heads, d_model, d_head, generator=gen, dtype=F64)
+    W_O = torch.randn(heads, d_head, d_model, generator=gen, dtype=F64)
+    return pattern, field, W_V, W_O
+
+
+def dense_transports(gates, W_V, W_O):
+    """``T_ij = H sum_h g^h_ij W_V^h W_O^h`` materialised, ``[batch, query, key, d, d]``."""
+    heads = W_V.shape[0]
+    T = torch.zeros(*gates.shape[:1], *gates.shape[2:], W_V.shape[1], W_O.shape[2], dtype=F64)
+    for h in range(heads):
+        T += heads * gates[:, h, :, :, None, None] * (W_V[h] @ W_O[h])
+    return T
+
+
+def ref_delta(sigma, r):
+    top = sigma.sort(descending=True).values[..., :r]
+    s1, s2 = top.sum(-1), (top**2).sum(-1)
+    return torch.where(s2 > 0, (1 - s1**2 / (r * s2.clamp_min(1e-300))).clamp_min(0), 0).sqrt()
+
+
+def ref_eps(sigma, r):
+    top = sigma.sort(descending=True).values[..., :r]
+    s2, s4 = (top**2).sum(-1), (top**4).sum(-1)
+    return torch.where(s4 > 0, (1 - s2**2 / (r * s4.clamp_min(1e-300))).clamp_min(0), 0).sqrt()
+
+
+def assert_defects_close(actual, expected):
+    torch.testing.assert_close(actual, expected, rtol=0, atol=CLOSED_FORM_ATOL)
+
+
+def orthogonal(d, seed, dtype=F64):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=dtype)).Q
+
+
+def scaled_orthogonal_heads(heads, d_head, scale=2.5, seed=0):
+    """Heads whose summed transport is ``scale * Q_V Q_O``: mutually orthogonal blocks."""
+    d_model = heads * d_head
+    Q_V, Q_O = orthogonal(d_model, seed), orthogonal(d_model, seed + 1)
+    W_V = scale * Q_V.reshape(d_model, heads, d_head).permute(1, 0, 2)
+    W_O = Q_O.reshape(heads, d_head, d_model)
+    return W_V.contiguous(), W_O.contiguous()
+
+
+# --- defects from singular values -------------------------------------------------------
+
+
+def test_defects_from_singular_values_match_spec_formulas():
+    sigma = torch.rand(4, 6, 7, dtype=F64, generator=torch.Generator().manual_seed(1))
+    for r in (1, 3, 7):
+        # the reference's 1 - x loses half the digits near 0 (sqrt of ~1e-16): compare at 1e-7
+        assert_defects_close(iso.isometry_defect(sigma, r), ref_delta(sigma, r))
+        assert_defects_close(iso.gram_defect(sigma, r), ref_eps(sigma, r))
+        top = sigma.sort(descending=True).values[..., :r]
+        assert_close(iso.frobenius_scale(sigma, r), (top**2).mean(-1).sqrt())
+
+
+def test_defects_zero_cases_and_conventions():
+    equal = torch.full((3,), 2.0, dtype=F64)
+    assert iso.isometry_defect(equal, 3) == 0 and iso.gram_defect(equal, 3) == 0
+    # the top r only: trailing small values do not count
+    assert iso.isometry_defect(torch.tensor([2.0, 2.0, 0.1], dtype=F64), 2) == 0
+    # the zero map is the scaled isometry with scale 0: defect 0, not NaN
+    zero = torch.zeros(2, 4)
+    assert torch.equal(iso.isometry_defect(zero, 4), torch.zeros(2))
+    assert torch.equal(iso.gram_defect(zero, 4), torch.zeros(2))
+    assert torch.equal(iso.frobenius_scale(zero, 4), torch.zeros(2))
+    # rank-deficient: an honest positive defect
+    deficient = torch.tensor([1.0, 0.0], dtype=F64)
+    assert_close(iso.isometry_defect(deficient, 2), torch.tensor(math.sqrt(0.5), dtype=F64))
+    assert_close(iso.gram_defect(deficient, 2), torch.tensor(math.sqrt(0.5), dtype=F64))
+
+
+def test_half_precision_is_computed_in_float32_and_float64_stays():
+    sigma = torch.rand(3, 4)
+    assert iso.isometry_defect(sigma.to(torch.bfloat16), 4).dtype == torch.float32
+    assert iso.gram_defect(sigma.to(torch.float16), 4).dtype == torch.float32
+    assert iso.gram_defect(sigma.to(F64), 4).dtype == F64
+    _, _, W_V, W_O = random_problem()
+    assert iso.head_transport_defects(W_V.half(), W_O.half()).dtype == torch.float32
+    K2, K4 = iso.gram_matrices(W_V.bfloat16(), W_O.bfloat16())
+    assert K2.dtype == K4.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: iso.isometry_defect(torch.rand(3), 0), "positive integer"),
+        (lambda: iso.gram_defect(torch.rand(3), 4), "only 3 singular values"),
+        (lambda: iso.isometry_defect(-torch.rand(3), 2), "finite and >= 0"),
+        (lambda: iso.gram_defect(torch.tensor([1.0, float("nan")]), 2), "finite"),
+        (lambda: iso.frobenius_scale(torch.rand(3), True), "positive integer"),
+        (lambda: iso.random_baseline(iso.head_transport_defects, *random_problem()[2:], 1), ">= 2"),
+        (
+            lambda: iso.walk_weighted_mean(torch.rand(1, 3, 3) - 1, torch.rand(1, 3, 3)),
+            "negative",
+        ),
+    ],
+)
+def test_bad_input_raises_conn_walk_error(call, match):
+    with pytest.raises(ConnWalkError, match=match):
+        call()
+
+
+def test_mismatched_shapes_are_refused():
+    pattern, _, W_V, W_O = random_problem(heads=3)
+    K2, K4 = iso.gram_matrices(W_V, W_O)
+    bad_gates = split_gates(pattern[:, :2])
+    # under test the runtime shape checker answers first ...
+    with pytest.raises(TypeCheckError):
+        iso.edge_gram_defects(bad_gates, K2, K4, rank=9)
+    # ... and without it (production) our own checks do
+    with pytest.raises(ConnWalkError, match="head=3"):
+        inspect.unwrap(iso.edge_gram_defects)(bad_gates, K2, K4, rank=9)
+    with pytest.raises(ConnWalkError, match="do not compose"):
+        inspect.unwrap(iso.head_singular_values)(W_V, W_O[:, :, :5])
+    with pytest.raises(ConnWalkError, match="True or False"):
+        inspect.unwrap(iso.walk_weighted_mean)(pattern[:, 0], pattern[:, 0], exclude_sink=1)
+
+
+# --- head transports and Grams ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(("d_model", "d_head"), [(12, 3), (5, 7)])
+def test_head_transport_defects_match_dense_svd(d_model, d_head):
+    _, _, W_V, W_O = random_problem(heads=4, d_model=d_model, d_head=d_head)
+    dense = torch.linalg.svdvals(W_V @ W_O)
+    r = min(d_model, d_head)
+    assert_close(iso.head_singular_values(W_V, W_O), dense[:, :r])
+    assert_defects_close(iso.head_transport_defects(W_V, W_O), ref_delta(dense, r))
+
+
+def test_head_transport_defects_zero_for_scaled_partial_isometries_and_zero_heads():
+    W_V, W_O = scaled_orthogonal_heads(heads=4, d_head=3)
+    W_V[1] *= 7.0  # each head its own scale: still a scaled partial isometry
+    W_V[2] = 0.0  # a dead head: 0 by convention
+    defects = iso.head_transport_defects(W_V, W_O)
+    torch.testing.assert_close(defects, torch.zeros(4, dtype=F64), rtol=0, atol=1e-7)
+
+
+def test_gram_matrices_match_dense_traces(monkeypatch):
+    monkeypatch.setattr(iso, "CHUNK_ENTRIES", 40)  # several blocks of b
+    _, _, W_V, W_O = random_problem(heads=3)
+    T = W_V @ W_O
+    K2, K4 = iso.gram_matrices(W_V, W_O)
+    ref2 = einsum(T, T, "a i j, b i j -> a b")
+    assert_close(K2, ref2)
+    assert_close(iso.head_gram(W_V, W_O), ref2)
+    ref4 = torch.zeros(3, 3, 3, 3, dtype=F64)
+    for a, b, c, e in torch.cartesian_prod(*[torch.arange(3)] * 4).tolist():
+        ref4[a, b, c, e] = torch.trace(T[b].T @ T[a] @ T[c].T @ T[e])
+    assert_close(K4, ref4)
+    assert_close(iso.head_mixed_gram(W_V, W_O), einsum(T, T, "a i j, b j i -> a b"))
+
+
+# --- effective transports ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("heads", [1, 2, 3, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_edge_gram_defects_match_per_edge_svd(heads, causal, monkeypatch):
+    monkeypatch.setattr(iso, "CHUNK_ENTRIES", 200)  # chunk the queries
+    pattern, _, W_V, W_O = random_problem(heads=heads, causal=causal, seed=heads)
+    walk, g = walk_matrix(pattern), split_gates(pattern)
+    r = iso.effective_rank(W_V, W_O)
+    assert r == min(12, 3 * heads)
+    sigma = torch.linalg.svdvals(dense_transports(g, W_V, W_O))
+    K2, K4 = iso.gram_matrices(W_V, W_O)
+    expected = torch.where(walk > 0, ref_eps(sigma, r), 0.0)
+    eps = iso.edge_gram_defects(g, K2, K4, r, walk)
+    torch.testing.assert_close(eps, expected, rtol=0, atol=CLOSED_FORM_ATOL)
+    assert ((eps == 0) | (walk > 0)).all()  # 0 off the walk
+    scales = iso.edge_frobenius_scales(g, K2, r)
+    assert_close(scales, ((sigma**2).sum(-1) / r).sqrt())
+    # delta "where affordable": per-edge SVD of the small cores
+    sv = iso.edge_singular_values(g, W_V, W_O)
+    assert_close(sv, sigma[..., :r])
+    torch.testing.assert_close(
+        iso.isometry_defect(sv, r), ref_delta(sigma, r), rtol=0, atol=CLOSED_FORM_ATOL
+    )
+
+
+def test_edge_gram_defects_zero_for_scaled_orthogonal_transport():
+    W_V, W_O = scaled_orthogonal_heads(heads=3, d_head=4, scale=0.3)
+    pattern, *_ = random_problem(heads=3, causal=True)
+    uniform = torch.full_like(pattern, 1 / 3)  # T_ij = 0.3 Q_V Q_O on every edge
+    walk = walk_matrix(pattern)
+    eps = iso.edge_gram_defects(uniform, *iso.gram_matrices(W_V, W_O), rank=12, walk=walk)
+    torch.testing.assert_close(eps, torch.zeros_like(eps), rtol=0, atol=1e-7)
+    scale = iso.common_scale(walk, uniform, W_V, W_O)
+    assert_close(scale, torch.full((2,), 0.3, dtype=F64))
+    defect = iso.effective_transport_defect(walk, uniform, W_V, W_O)
+    torch.testing.assert_close(defect, torch.zeros(2, dtype=F64), rtol=0, atol=1e-7)
+    # all-zero maps: 0, not NaN
+    zero = iso.edge_gram_defects(uniform, *iso.gram_matrices(0 * W_V, W_O), rank=12)
+    assert torch.equal(zero, torch.zeros_like(zero))
+
+
+def test_effective_transport_defect_is_the_walk_weighted_mean():
+    pattern, _, W_V, W_O = random_problem(causal=True)
+    walk, g = walk_matrix(pattern), split_gates(pattern)
+    sigma = torch.linalg.svdvals(dense_transports(g, W_V, W_O))
+    eps = ref_eps(sigma, 9)
+    n = walk.shape[-1]
+    expected = (walk * eps).sum((1, 2)) / n
+    result = iso.effective_transport_defect(walk, g, W_V, W_O)
+    torch.testing.assert_close(result, expected, rtol=0, atol=CLOSED_FORM_ATOL)
+    # exclude_sink: drop key 0, renormalise rows; query 0 keeps no mass and drops out
+    kept = walk[:, :, 1:] / walk[:, :, 1:].sum(-1, keepdim=True)
+    expected_sink = (kept[:, 1:] * eps[:, 1:, 1:]).sum((1, 2)) / (n - 1)
+    result_sink = iso.effective_transport_defect(walk, g, W_V, W_O, exclude_sink=True)
+    torch.testing.assert_close(result_sink, expected_sink, rtol=0, atol=CLOSED_FORM_ATOL)
+    scale = iso.common_scale(walk, g, W_V, W_O)
+    assert_close(scale, (walk * ((sigma**2).sum(-1) / 9).sqrt()).sum((1, 2)) / n)
+
+
+# --- walk-weighted summaries ------------------------------------------------------------
+
+
+def test_walk_weighted_mean_and_cv():
+    gen = torch.Generator().manual_seed(3)
+    walk = torch.rand(2, 4, 4, generator=gen, dtype=F64)
+    values = torch.rand(2, 4, 4, generator=gen, dtype=F64)
+    assert_close(iso.walk_weighted_mean(walk, values), (walk * values).sum((1, 2)) / 4)
+    p = walk / walk.sum((1, 2), keepdim=True)
+    mean = (p * values).sum((1, 2))
+    std = (p * (values - mean[:, None, None]) ** 2).sum((1, 2)).sqrt()
+    assert_close(iso.walk_weighted_cv(walk, values), std / mean)
+    # a restriction renormalises rows and averages over the rows that keep mass
+    edges = torch.zeros(2, 4, 4, dtype=torch.bool)
+    edges[:, 1, 2] = edges[:, 1, 3] = edges[:, 3, 0] = True
+    row1 = (walk[:, 1, 2] * values[:, 1, 2] + walk[:, 1, 3] * values[:, 1, 3]) / (
+        walk[:, 1, 2] + walk[:, 1, 3]
+    )
+    expected = (row1 + values[:, 3, 0]) / 2
+    assert_close(iso.walk_weighted_mean(walk, values, edges=edges), expected)
+    # values off the walk never count, not even NaN
+    holes = walk.clone()
+    holes[:, 0, 1] = 0.0
+    poisoned = values.clone()
+    poisoned[:, 0, 1] = float("nan")
+    assert_close(iso.walk_weighted_mean(holes, poisoned), (holes * values).sum((1, 2)) / 4)
+    assert torch.isfinite(iso.walk_weighted_cv(holes, poisoned)).all()
+    # nothing left: 0
+    only_sink = torch.zeros(2, 4, 4, dtype=F64)
+    only_sink[:, :, 0] = 1.0
+    assert torch.equal(iso.walk_weighted_mean(only_sink, values, exclude_sink=True), torch.zeros(2))
+    assert torch.equal(iso.walk_weighted_cv(only_sink, values, exclude_sink=True), torch.zeros(2))
+    assert torch.equal(iso.walk_weighted_cv(walk, 0 * values), torch.zeros(2, dtype=F64))
+
+
+# --- random baseline --------------------------------------------------------------------
+
+
+def test_random_baseline_matches_norms_and_is_reproducible():
+    _, _, W_V, W_O = random_problem(heads=4)
+    W_V[3] = 0.0
+    rand_V, rand_O = iso.random_head_factors(W_V, W_O, torch.Generator().manual_seed(5))
+    assert rand_V.shape == W_V.shape and rand_O.shape == W_O.shape
+    assert_close(iso.head_gram(rand_V, rand_O).diagonal(), iso.head_gram(W_V, W_O).diagonal())
+    first = iso.random_baseline(iso.head_transport_defects, W_V, W_O, 5, seed=7)
+    again = iso.random_baseline(iso.head_transport_defects, W_V, W_O, 5, seed=7)
+    assert torch.equal(first.draws, again.draws) and first.n_draws == 5
+    assert first.mean.shape == first.std.shape == (4,)
+    assert_close(first.std, first.draws.std(0))
+    assert (first.draws[:, :3] > 0).all() and (first.draws[:, 3] == 0).all()
+    other = iso.random_baseline(
+        iso.head_transport_defects, W_V, W_O, 5, seed=torch.Generator().manual_seed(8)
+    )
+    assert not torch.equal(first.draws, other.draws)
+    assert set(first.to_dict()) == {"mean", "std", "n_draws"}
+
+
+def test_random_baseline_for_the_effective_defect():
+    pattern, _, W_V, W_O = random_problem(causal=True)
+    walk, g = walk_matrix(pattern), split_gates(pattern)
+    base = iso.random_baseline(
+        lambda V, O: iso.effective_transport_defect(walk, g, V, O),  # noqa: E741
+        W_V,
+        W_O,
+        n_draws=3,
+    )
+    assert base.draws.shape == (3, 2) and torch.isfinite(base.draws).all()
+
+
+# --- invariances ------------------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    heads=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+    scale=st.floats(1e-3, 1e3),
+    causal=st.booleans(),
+)
+def test_defects_invariant_under_scaling_rotations_and_gauge(heads, seed, scale, causal):
+    pattern, _, W_V, W_O = random_problem(
+        heads=heads, pos=4, d_model=6, d_head=2, seed=seed, causal=causal
+    )
+    g, r = split_gates(pattern), min(6, 2 * heads)
+    U, V = orthogonal(6, seed), orthogonal(6, seed + 1)
+    gauge = torch.randn(heads, 2, 2, dtype=F64, generator=torch.Generator().manual_seed(seed))
+    gauge = gauge + 3 * torch.eye(2, dtype=F64)  # invertible
+    variants = [
+        (scale * W_V, W_O),  # T -> c T
+        (U @ W_V, W_O @ V),  # T -> U T V
+        (W_V @ gauge, torch.linalg.solve(gauge, W_O)),  # same T^h, other factors
+    ]
+    base_eps = iso.edge_gram_defects(g, *iso.gram_matrices(W_V, W_O), r)
+    base_delta = iso.head_transport_defects(W_V, W_O)
+    for V_, O_ in variants:
+        eps = iso.edge_gram_defects(g, *iso.gram_matrices(V_, O_), r)
+        torch.testing.assert_close(eps, base_eps, rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            iso.head_transport_defects(V_, O_), base_delta, rtol=0, atol=1e-9
+        )
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    sigma=st.lists(st.floats(0, 1e3), min_size=1, max_size=6),
+    scale=st.floats(1e-3, 1e3),
+    data=st.data(),
+)
+def test_singular_value_defects_are_scale_and_order_invariant(sigma, scale, data):
+    values = torch.tensor(sigma, dtype=F64)
+    r = data.draw(st.integers(1, len(sigma)))
+    perm = torch.tensor(data.draw(st.permutations(range(len(sigma)))))
+    for fn in (iso.isometry_defect, iso.gram_defect):
+        base = fn(values, r)
+        assert torch.isfinite(base) and 0 <= base <= 1
+        torch.testing.assert_close(fn(scale * values, r), base, rtol=0, atol=1e-9)
+        torch.testing.assert_close(fn(values[perm], r), base, rtol=0, atol=1e-12)

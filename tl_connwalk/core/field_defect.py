@@ -1,0 +1,203 @@
+"""The data-dependent field isometry defect (SPEC section 3).
+
+Weight-only defects ask whether a transport scales *every* direction alike; this one asks it
+only of the messages actually sent. For the edge ``j -> i`` carrying ``x_j``,
+
+    rho_ij = ||x_j T_ij|| / ||x_j||,    T_ij = H sum_h g^h_ij T^h,
+
+and the defect is the walk-weighted coefficient of variation of ``rho`` over edges: 0 when the
+transports scale every message they carry by one common factor. Per head, the same with
+``T^h`` on head ``h``'s own walk ``A^h``.
+
+Nothing of size ``d_model x d_model`` is formed: ``x_j T_ij = H sum_h g^h_ij m^h_j`` with the
+head messages ``m^h_j = x_j T^h``, so ``||x_j T_ij||^2 = H^2 g_ij^T G_j g_ij`` with the message
+Gram ``G_j[a,b] = m^a_j . m^b_j``, itself built from ``d_head``-wide values.
+
+Convention: a key with ``x_j = 0`` sends no message and has no ratio (0/0): its ``rho`` is
+reported as 0 and its edges are left out of the defects (rows renormalised over the rest).
+"""
+
+import torch
+from einops import einsum, rearrange
+from jaxtyping import Float
+from torch import Tensor
+
+from tl_connwalk.core.isometry import walk_weighted_cv, working_dtype
+from tl_connwalk.core.walk import patterns_from_walk
+from tl_connwalk.errors import ConnWalkError
+
+
+def _cast(field: Tensor, W_V: Tensor, W_O: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
+    if field.ndim != 3 or W_V.ndim != 3 or W_O.ndim != 3:
+        raise ConnWalkError(
+            f"field must be [batch, key, d_model], W_V [head, d_model, d_head] and W_O "
+            f"[head, d_head, d_model]; got {tuple(field.shape)}, {tuple(W_V.shape)}, "
+            f"{tuple(W_O.shape)}."
+        )
+    if field.shape[-1] != W_V.shape[1] or W_V.shape[::2] != W_O.shape[:2]:
+        raise ConnWalkError(
+            f"field {tuple(field.shape)}, W_V {tuple(W_V.shape)} and W_O {tuple(W_O.shape)} do "
+            "not compose: the field's last axis is W_V's d_model, and W_O is [head, d_head, "
+            "d_model] with W_V's head and d_head."
+        )
+    dtype = working_dtype(field, W_V, W_O, *rest)
+    return tuple(t.to(device=field.device, dtype=dtype) for t in (field, W_V, W_O, *rest))
+
+
+def message_grams(
+    field: Float[Tensor, "batch key d_model"],
+    W_V: Float[Tensor, "head d_model d_head"],
+    W_O: Float[Tensor, "head d_head d_model"],
+) -> Float[Tensor, "batch key head head"]:
+    """The head-message Gram ``G_j[a,b] = (x_j T^a) . (x_j T^b)`` of every key.
+
+    Through the values ``v^h_j = x_j W_V^h``: ``G_j[a,b] = v^a_j (W_O^a W_O^b^T) v^b_j^T``,
+    ``O(batch n H^2 d_head^2 + H^2 d_head^2 d_model)``; no ``[batch, key, head, d_model]``
+    messages are kept.
+
+    >>> message_grams(torch.randn(1, 3, 8), torch.randn(2, 8, 4), torch.randn(2, 4, 8)).shape
+    torch.Size([1, 3, 2, 2])
+    """
+    field, W_V, W_O = _cast(field, W_V, W_O)
+    values = einsum(field, W_V, "batch key d_model, head d_model d_head -> batch key head d_head")
+    out_gram = einsum(W_O, W_O, "a p d_model, c q d_model -> a c p q")
+    return einsum(
+        values, out_gram, values, "batch key a p, a c p q, batch key c q -> batch key a c"
+    )
+
+
+def _field_norms(field: Tensor) -> Tensor:
+    return torch.linalg.vector_norm(field, dim=-1)
+
+
+def _ratio(norm_sq: Tensor, field_norm: Tensor) -> Tensor:
+    """``sqrt(norm_sq) / field_norm`` with 0 where the field is 0."""
+    has_field = field_norm > 0
+    ratio = norm_sq.clamp_min(0.0).sqrt() / torch.where(has_field, field_norm, 1.0)
+    return torch.where(has_field, ratio, 0.0)
+
+
+def message_norm_ratios(
+    field: Float[Tensor, "batch key d_model"],
+    gates: Float[Tensor, "batch head query key"],
+    W_V: Float[Tensor, "head d_model d_head"],
+    W_O: Float[Tensor, "head d_head d_model"],
+) -> Float[Tensor, "batch query key"]:
+    """``rho_ij = ||x_j T_ij|| / ||x_j||`` on every pair, ``||x_j T_ij||^2 = H^2 g_ij^T G_j g_ij``.
+
+    0 where ``x_j = 0``. Every ``(i, j)`` gets a value; weight by the walk to keep edges.
+
+    >>> A = torch.softmax(torch.randn(1, 2, 3, 3), -1)
+    >>> message_norm_ratios(torch.randn(1, 3, 8), A / A.sum(1, keepdim=True),
+    ...                     torch.randn(2, 8, 4), torch.randn(2, 4, 8)).shape
+    torch.Size([1, 3, 3])
+    """
+    field, W_V, W_O, gates = _cast(field, W_V, W_O, gates)
+    if gates.ndim != 4 or gates.shape[1] != W_V.shape[0] or gates.shape[3] != field.shape[1]:
+        raise ConnWalkError(
+            f"gates {tuple(gates.shape)} must be [batch, head, query, key] with head = "
+            f"{W_V.shape[0]} and key = {field.shape[1]} (the field's positions)."
+        )
+    n_heads = gates.shape[1]
+    grams = message_grams(field, W_V, W_O)
+    norm_sq = n_heads**2 * einsum(
+        gates,
+        grams,
+        gates,
+        "batch a query key, batch key a c, batch c query key -> batch query key",
+    )
+    return _ratio(norm_sq, _field_norms(field)[:, None, :])
+
+
+def head_message_norm_ratios(
+    field: Float[Tensor, "batch key d_model"],
+    W_V: Float[Tensor, "head d_model d_head"],
+    W_O: Float[Tensor, "head d_head d_model"],
+) -> Float[Tensor, "batch key head"]:
+    """``rho^h_j = ||x_j T^h|| / ||x_j||``: the same for every query, so indexed by key only.
+
+    0 where ``x_j = 0``.
+
+    >>> head_message_norm_ratios(torch.randn(1, 3, 8), torch.randn(2, 8, 4),
+    ...                          torch.randn(2, 4, 8)).shape
+    torch.Size([1, 3, 2])
+    """
+    field, W_V, W_O = _cast(field, W_V, W_O)
+    norm_sq = message_grams(field, W_V, W_O).diagonal(dim1=-2, dim2=-1)
+    return _ratio(norm_sq, _field_norms(field)[:, :, None])
+
+
+def _sent(field: Tensor, shape: torch.Size) -> Tensor | None:
+    """The edges whose key carries a non-zero field, or None when that is every edge."""
+    has_field = _field_norms(field) > 0
+    if has_field.all():
+        return None
+    return has_field[:, None, :].expand(shape)
+
+
+def field_isometry_defect(
+    field: Float[Tensor, "batch key d_model"],
+    walk: Float[Tensor, "batch query key"],
+    gates: Float[Tensor, "batch head query key"],
+    W_V: Float[Tensor, "head d_model d_head"],
+    W_O: Float[Tensor, "head d_head d_model"],
+    *,
+    exclude_sink: bool = False,
+) -> Float[Tensor, " batch"]:
+    """The field isometry defect: the walk-weighted coefficient of variation of ``rho_ij``.
+
+    ``CV = sqrt(sum p (rho - m)^2) / m``, ``m = sum p rho``, ``p_ij ~ W_ij`` as in
+    :func:`~tl_connwalk.core.isometry.walk_weighted_cv` (``exclude_sink`` drops key 0 and
+    renormalises rows). Invariant under ``x -> c x`` and ``T -> c T``. ``O(batch n^2 H^2)``.
+
+    >>> A = torch.softmax(torch.randn(1, 1, 3, 3), -1)
+    >>> Q = torch.linalg.qr(torch.randn(8, 8)).Q
+    >>> field_isometry_defect(torch.randn(1, 3, 8), A.mean(1), torch.ones_like(A),
+    ...                       3 * Q[None], Q.T[None])  # doctest: +SKIP
+    tensor([0.])
+    """
+    rho = message_norm_ratios(field, gates, W_V, W_O)
+    edges = _sent(field, rho.shape)
+    return walk_weighted_cv(walk, rho, exclude_sink=exclude_sink, edges=edges)
+
+
+def head_field_isometry_defects(
+    field: Float[Tensor, "batch key d_model"],
+    walk: Float[Tensor, "batch query key"],
+    gates: Float[Tensor, "batch head query key"],
+    W_V: Float[Tensor, "head d_model d_head"],
+    W_O: Float[Tensor, "head d_head d_model"],
+    *,
+    exclude_sink: bool = False,
+) -> Float[Tensor, "batch head"]:
+    """Per head: the CV of ``rho^h_j = ||x_j T^h|| / ||x_j||`` weighted by that head's walk.
+
+    Head ``h`` alone is the connection walk ``(A^h, T^h)`` with ``A^h = H W g^h``, so its edge
+    ``(i, j)`` weighs ``A^h_ij`` and carries ``rho^h_j``.
+
+    >>> A = torch.softmax(torch.randn(1, 2, 3, 3), -1)
+    >>> head_field_isometry_defects(torch.randn(1, 3, 8), A.mean(1), A / A.sum(1, keepdim=True),
+    ...                             torch.randn(2, 8, 4), torch.randn(2, 4, 8)).shape
+    torch.Size([1, 2])
+    """
+    if walk.ndim != 3 or gates.ndim != 4 or gates.shape[:1] + gates.shape[2:] != walk.shape:
+        raise ConnWalkError(
+            f"gates {tuple(gates.shape)} and walk {tuple(walk.shape)} disagree: need gates "
+            "[batch, head, query, key] and walk [batch, query, key]."
+        )
+    rho = head_message_norm_ratios(field, W_V, W_O)
+    n_heads = gates.shape[1]
+    pattern = patterns_from_walk(walk.to(rho), gates.to(rho))
+    per_edge = rearrange(rho, "batch key head -> batch head 1 key").expand(pattern.shape)
+    edges = _sent(field, walk.shape)
+    if edges is not None:
+        edges = rearrange(
+            edges[:, None].expand(pattern.shape), "batch head query key -> (batch head) query key"
+        )
+    cv = walk_weighted_cv(
+        rearrange(pattern, "batch head query key -> (batch head) query key"),
+        rearrange(per_edge, "batch head query key -> (batch head) query key"),
+        exclude_sink=exclude_sink,
+        edges=edges,
+    )
+    return rearrange(cv, "(batch head) -> batch head", head=n_heads)

@@ -1,0 +1,630 @@
+"""How far transports are from scaled isometries (SPEC sections 2-3), from weights and gates.
+
+Pure functions on tensors. A map ``T`` of rank ``r`` with top singular values ``sigma_1..r`` has
+
+    isometry defect  delta(T) = sqrt(1 - (sum sigma)^2   / (r sum sigma^2))
+    Gram defect      eps(T)   = sqrt(1 - (sum sigma^2)^2 / (r sum sigma^4))
+
+both 0 exactly when ``T`` is a scaled (partial) isometry ``s U V^T`` and both invariant under
+``T -> c T`` and under orthogonal maps on either side. ``eps`` needs only Frobenius quantities,
+so on the effective transports ``T_ij = H sum_h g^h_ij T^h`` of all edges it has a closed form
+through the head Grams ``K2[a,b] = tr(T^a^T T^b)`` and
+``K4[a,b,c,e] = tr(T^b^T T^a T^c^T T^e)``, built from ``d_head``-sized factor products
+(:func:`gram_matrices`); no ``d_model x d_model`` map is ever formed per edge.
+
+Conventions for the degenerate cases (never NaN): the zero map is the scaled isometry with
+scale 0, so ``delta = eps = 0`` and its Frobenius scale is 0. A rank-deficient map (fewer than
+``r`` non-zero singular values) is *not* a rank-``r`` partial isometry and gets its honest,
+positive defect. Results are float32 or wider (half precision is upcast, float64 stays).
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from einops import einsum, rearrange, reduce
+from jaxtyping import Bool, Float
+from torch import Tensor
+
+from tl_connwalk.errors import ConnWalkError
+
+#: Working-memory budget (entries) of the chunked contractions below.
+CHUNK_ENTRIES = 2**24
+
+
+def working_dtype(*tensors: Tensor) -> torch.dtype:
+    """float64 if any input is float64, else float32 (half precision and integers upcast)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _check_rank(rank: int, available: int | None = None, what: str = "") -> None:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ConnWalkError(f"rank must be a positive integer, got {rank!r}.")
+    if available is not None and rank > available:
+        raise ConnWalkError(
+            f"rank={rank} but {what} has only {available} singular values; pass "
+            f"rank <= {available} (a d x d map has at most d)."
+        )
+
+
+def _top_singular_values(
+    sigma: Float[Tensor, "*batch singular"], rank: int
+) -> Float[Tensor, "*batch rank"]:
+    _check_rank(rank, sigma.shape[-1], "sigma")
+    sigma = sigma.to(working_dtype(sigma))
+    if not torch.isfinite(sigma).all() or (sigma < 0).any():
+        raise ConnWalkError(
+            "singular values must be finite and >= 0; pass torch.linalg.svdvals(T) "
+            "(NaN/inf usually means the cache overflowed)."
+        )
+    return sigma.topk(rank, dim=-1).values
+
+
+def _ratio_defect(
+    spread: Float[Tensor, "*batch"], size: Float[Tensor, "*batch"]
+) -> Float[Tensor, "*batch"]:
+    """``sqrt(spread / size)`` with ``0/0 = 0`` (the zero map) and rounding clamped to [0, 1]."""
+    safe = torch.where(size > 0, size, torch.ones_like(size))
+    ratio = torch.where(size > 0, spread / safe, torch.zeros_like(size))
+    return ratio.clamp(0.0, 1.0).sqrt()
+
+
+def isometry_defect(sigma: Float[Tensor, "*batch singular"], rank: int) -> Float[Tensor, "*batch"]:
+    """``delta = sqrt(1 - (sum sigma_k)^2 / (r sum sigma_k^2))`` over the top ``r`` values (SPEC 3).
+
+    The relative Frobenius distance from ``T`` (restricted to its top ``r`` directions) to the
+    nearest ``s U V^T``, ``s = mean sigma``. Evaluated as ``sum (sigma - s)^2 / sum sigma^2``,
+    which has no cancellation near 0. The zero map gives 0.
+
+    >>> isometry_defect(torch.tensor([2.0, 2.0, 2.0]), rank=3)
+    tensor(0.)
+    >>> isometry_defect(torch.tensor([1.0, 0.0]), rank=2)  # sqrt(1 - 1/2)  # doctest: +SKIP
+    tensor(0.7071)
+    """
+    top = _top_singular_values(sigma, rank)
+    mean = reduce(top, "... rank -> ... 1", "mean")
+    spread = reduce((top - mean) ** 2, "... rank -> ...", "sum")
+    return _ratio_defect(spread, reduce(top**2, "... rank -> ...", "sum"))
+
+
+def gram_defect(sigma: Float[Tensor, "*batch singular"], rank: int) -> Float[Tensor, "*batch"]:
+    """``eps = sqrt(1 - (sum sigma_k^2)^2 / (r sum sigma_k^4))`` over the top ``r`` values (SPEC 3).
+
+    The relative Frobenius distance from ``T^T T`` to the nearest multiple of a rank-``r``
+    projection. Evaluated as ``sum (sigma^2 - mean sigma^2)^2 / sum sigma^4``. Zero map: 0.
+
+    >>> gram_defect(torch.tensor([3.0, 3.0]), rank=2)
+    tensor(0.)
+    """
+    squares = _top_singular_values(sigma, rank) ** 2
+    mean = reduce(squares, "... rank -> ... 1", "mean")
+    spread = reduce((squares - mean) ** 2, "... rank -> ...", "sum")
+    return _ratio_defect(spread, reduce(squares**2, "... rank -> ...", "sum"))
+
+
+def frobenius_scale(sigma: Float[Tensor, "*batch singular"], rank: int) -> Float[Tensor, "*batch"]:
+    """The Frobenius scale ``s = sqrt(sum sigma_k^2 / r)`` over the top ``r`` values (SPEC 4).
+
+    >>> frobenius_scale(torch.tensor([3.0, 4.0]), rank=2)  # sqrt(25 / 2)  # doctest: +SKIP
+    tensor(3.5355)
+    """
+    return (_top_singular_values(sigma, rank) ** 2).mean(-1).sqrt()
+
+
+def _check_heads(W_V: Tensor, W_O: Tensor) -> None:
+    if W_V.ndim != 3 or W_O.ndim != 3:
+        raise ConnWalkError(
+            f"W_V must be [head, d_model, d_head] and W_O [head, d_head, d_model]; got "
+            f"W_V {tuple(W_V.shape)}, W_O {tuple(W_O.shape)}."
+        )
+    if W_V.shape[0] != W_O.shape[0] or W_V.shape[1:] != W_O.shape[:0:-1]:
+        raise ConnWalkError(
+            f"W_V {tuple(W_V.shape)} and W_O {tuple(W_O.shape)} do not compose: need "
+            "W_V [head, d_model, d_head] and W_O [head, d_head, d_model] with the same sizes."
+        )
+
+
+def _cast_heads(W_V: Tensor, W_O: Tensor) -> tuple[Tensor, Tensor]:
+    _check_heads(W_V, W_O)
+    dtype = working_dtype(W_V, W_O)
+    return W_V.to(dtype), W_O.to(device=W_V.device, dtype=dtype)
+
+
+def head_singular_values(
+    W_V: Float[Tensor, "head d_model d_head"], W_O: Float[Tensor, "head d_head d_model"]
+) -> Float[Tensor, "head rank"]:
+    """Singular values of each head transport ``T^h = W_V^h W_O^h``, descending.
+
+    ``rank = min(d_model, d_head)``. From the QR factors ``W_V^h = Q R_V`` and
+    ``W_O^h^T = Q' R_O``: ``T^h = Q (R_V R_O^T) Q'^T``, so the values are those of the small
+    ``rank x rank`` core; no ``d_model x d_model`` SVD.
+
+    >>> head_singular_values(torch.randn(3, 16, 4), torch.randn(3, 4, 16)).shape
+    torch.Size([3, 4])
+    """
+    W_V, W_O = _cast_heads(W_V, W_O)
+    _, R_V = torch.linalg.qr(W_V)
+    _, R_O = torch.linalg.qr(rearrange(W_O, "head d_head d_model -> head d_model d_head"))
+    core = einsum(R_V, R_O, "head r d_head, head s d_head -> head r s")
+    return torch.linalg.svdvals(core)
+
+
+def head_transport_defects(
+    W_V: Float[Tensor, "head d_model d_head"], W_O: Float[Tensor, "head d_head d_model"]
+) -> Float[Tensor, " head"]:
+    """The head transport defects ``delta(T^h)`` with ``r = d_head`` (SPEC 3), ``[head]``.
+
+    A head's OV map can at best be a scaled *partial* isometry of rank ``d_head``
+    (``min(d_model, d_head)`` if ``d_model`` is smaller). A zero head gives 0.
+
+    >>> Q = torch.linalg.qr(torch.randn(8, 8)).Q
+    >>> head_transport_defects(2 * Q[None, :, :4], Q.T[None, :4])  # doctest: +SKIP
+    tensor([0.])
+    """
+    sigma = head_singular_values(W_V, W_O)
+    return isometry_defect(sigma, sigma.shape[-1])
+
+
+def effective_rank(
+    W_V: Float[Tensor, "head d_model d_head"], W_O: Float[Tensor, "head d_head d_model"]
+) -> int:
+    """``r = min(d_model, H d_head)``: the rank an effective transport ``T_ij`` can have (SPEC 3).
+
+    >>> effective_rank(torch.randn(12, 768, 64), torch.randn(12, 64, 768))
+    768
+    """
+    _check_heads(W_V, W_O)
+    n_heads, d_model, d_head = W_V.shape
+    return min(d_model, n_heads * d_head)
+
+
+def _head_factor_grams(W_V: Tensor, W_O: Tensor) -> tuple[Tensor, Tensor]:
+    """``GV[a,b] = W_V^a^T W_V^b`` and ``GO[a,b] = W_O^a W_O^b^T``, both ``[H, H, d_h, d_h]``."""
+    gram_v = einsum(W_V, W_V, "a d_model p, b d_model q -> a b p q")
+    gram_o = einsum(W_O, W_O, "a p d_model, b q d_model -> a b p q")
+    return gram_v, gram_o
+
+
+def head_gram(
+    W_V: Float[Tensor, "head d_model d_head"], W_O: Float[Tensor, "head d_head d_model"]
+) -> Float[Tensor, "head head"]:
+    """``K2[a,b] = tr(T^a^T T^b) = <T^a, T^b>_F`` (SPEC 3), from ``d_head x d_head`` products.
+
+    ``tr(W_O^a^T W_V^a^T W_V^b W_O^b) = tr(GV[a,b] GO[b,a])``; the diagonal is ``||T^h||_F^2``.
+
+    >>> head_gram(torch.randn(2, 8, 4), torch.randn(2, 4, 8)).shape
+    torch.Size([2, 2])
+    """
+    W_V, W_O = _cast_heads(W_V, W_O)
+    gram_v, gram_o = _head_factor_grams(W_V, W_O)
+    return einsum(gram_v, gram_o, "a b p q, b a q p -> a b")
+
+
+def head_mixed_gram(
+    W_V: Float[Tensor, "head d_model d_head"], W_O: Float[Tensor, "head d_head d_model"]
+) -> Float[Tensor, "head head"]:
+    """``KM[a,b] = tr(T^a T^b) = <T^a^T, T^b>_F``, the Gram that pairs a map with a transpose.
+
+    ``tr(W_V^a W_O^a W_V^b W_O^b) = tr(C[a,b] C[b,a])`` with ``C[a,b] = W_O^a W_V^b``
+    (``d_head x d_head``). Used by the pairing residual (SPEC 3).
+
+    >>> head_mixed_gram(torch.randn(2, 8, 4), torch.randn(2, 4, 8)).shape
+    torch.Size([2, 2])
+    """
+    W_V, W_O = _cast_heads(W_V, W_O)
+    cross = einsum(W_O, W_V, "a p d_model, b d_model q -> a b p q")
+    return einsum(cross, cross, "a b p q, b a q p -> a b")
+
+
+def gram_matrices(
+    W_V: Float[Tensor, "head d_model d_head"], W_O: Float[Tensor, "head d_head d_model"]
+) -> tuple[Float[Tensor, "head head"], Float[Tensor, "head head head head"]]:
+    """The head Grams ``K2[a,b] = tr(T^a^T T^b)`` and ``K4[a,b,c,e] = tr(T^b^T T^a T^c^T T^e)``.
+
+    With ``GV[a,b] = W_V^a^T W_V^b`` and ``GO[a,b] = W_O^a W_O^b^T`` (``d_head x d_head``)::
+
+        K4[a,b,c,e] = tr(GV[b,a] GO[a,c] GV[c,e] GO[e,b])
+
+    built through the ``H^3`` products ``X[b,a,c] = GV[b,a] GO[a,c]`` and
+    ``Y[b,c,e] = GV[c,e] GO[e,b]``, a block of ``b`` at a time: working memory
+    ``O(H^2 d_head^2)`` per ``b`` (never ``H^4 d^2``), time ``O(H^3 d_head^3 + H^4 d_head^2)``.
+    ``K4`` itself has ``H^4`` entries (1M for ``H = 32``).
+
+    >>> K2, K4 = gram_matrices(torch.randn(3, 8, 2), torch.randn(3, 2, 8))
+    >>> K2.shape, K4.shape
+    (torch.Size([3, 3]), torch.Size([3, 3, 3, 3]))
+    """
+    W_V, W_O = _cast_heads(W_V, W_O)
+    n_heads, _, d_head = W_V.shape
+    gram_v, gram_o = _head_factor_grams(W_V, W_O)
+    K2 = einsum(gram_v, gram_o, "a b p q, b a q p -> a b")
+    block = max(1, CHUNK_ENTRIES // max(1, n_heads * n_heads * d_head * d_head))
+    slices = []
+    for start in range(0, n_heads, block):
+        rows = slice(start, start + block)
+        X = einsum(gram_v[rows], gram_o, "b a p q, a c q s -> b a c p s")
+        Y = einsum(gram_v, gram_o[:, rows], "c e p q, e b q s -> b c e p s")
+        slices.append(einsum(X, Y, "b a c p s, b c e s p -> a b c e"))
+    return K2, torch.cat(slices, dim=1)
+
+
+def _check_gates(gates: Tensor, n_heads: int) -> None:
+    if gates.ndim != 4 or gates.shape[1] != n_heads:
+        raise ConnWalkError(
+            f"gates must be [batch, head, query, key] with head={n_heads} (the size of K2); "
+            f"got {tuple(gates.shape)}."
+        )
+
+
+def _query_chunks(n_query: int, per_query: int) -> list[slice]:
+    step = max(1, CHUNK_ENTRIES // max(1, per_query))
+    return [slice(start, start + step) for start in range(0, n_query, step)]
+
+
+def _edge_frobenius_sq(gates: Tensor, K2: Tensor) -> Tensor:
+    """``sum sigma^2(T_ij) = ||T_ij||_F^2 = H^2 g_ij^T K2 g_ij``, ``[batch, query, key]``."""
+    n_heads = gates.shape[1]
+    mixed = einsum(gates, K2, "batch a query key, a b -> batch b query key")
+    return n_heads**2 * einsum(
+        mixed, gates, "batch b query key, batch b query key -> batch query key"
+    )
+
+
+def _edge_sigma4(gates: Tensor, K4: Tensor) -> Tensor:
+    """``sum sigma^4(T_ij) = H^4 sum g^a g^b g^c g^e K4[a,b,c,e]``, chunked over queries.
+
+    ``K4`` is the Gram matrix of the pair maps ``T^a T^c^T`` (symmetric in ``(a c) <-> (b e)``)
+    and ``g^a g^c`` is symmetric in ``a, c``: folding each unordered pair ``{a, c}`` into one
+    coordinate (``S^T K4 S``) cuts the per-edge work from ``H^4`` to about ``H^4 / 4``.
+    """
+    batch, n_heads, n_query, n_key = gates.shape
+    first, second = torch.triu_indices(n_heads, n_heads, device=gates.device)
+    fold = torch.zeros(n_heads, n_heads, first.numel(), dtype=K4.dtype, device=K4.device)
+    pair = torch.arange(first.numel(), device=gates.device)
+    fold[first, second, pair] = 1.0
+    fold[second, first, pair] = 1.0
+    fold = rearrange(fold, "a c pair -> (a c) pair")
+    pairs = fold.T @ rearrange(K4, "a b c e -> (a c) (b e)") @ fold
+    out = []
+    for rows in _query_chunks(n_query, 2 * batch * n_key * first.numel()):
+        g = gates[:, :, rows]
+        outer = g[:, first] * g[:, second]
+        outer = rearrange(outer, "batch pair query key -> batch query key pair")
+        out.append(
+            einsum(
+                outer @ pairs,
+                outer,
+                "batch query key pair, batch query key pair -> batch query key",
+            )
+        )
+    return n_heads**4 * torch.cat(out, dim=1)
+
+
+def _cast_gates(gates: Tensor, *grams: Tensor) -> tuple[Tensor, ...]:
+    dtype = working_dtype(gates, *grams)
+    return tuple(t.to(device=gates.device, dtype=dtype) for t in (gates, *grams))
+
+
+def _zero_off_walk(values: Tensor, walk: Tensor | None) -> Tensor:
+    if walk is None:
+        return values
+    if walk.shape != values.shape:
+        raise ConnWalkError(
+            f"walk {tuple(walk.shape)} must be [batch, query, key] like the gates' "
+            f"{tuple(values.shape)}."
+        )
+    return torch.where(walk.to(values.device) > 0, values, torch.zeros_like(values))
+
+
+def edge_gram_defects(
+    gates: Float[Tensor, "batch head query key"],
+    K2: Float[Tensor, "head head"],
+    K4: Float[Tensor, "head head head head"],
+    rank: int,
+    walk: Float[Tensor, "batch query key"] | None = None,
+) -> Float[Tensor, "batch query key"]:
+    """The effective transport defect ``eps(T_ij)`` on every edge, in closed form (SPEC 3).
+
+    ``sum sigma^2 = H^2 g^T K2 g`` and ``sum sigma^4 = H^4 sum g^a g^b g^c g^e K4[a,b,c,e]``, so
+    ``eps_ij = sqrt(1 - (sum sigma^2)^2 / (r sum sigma^4))`` with no per-edge map. It equals the
+    top-``r`` definition when ``r >= rank(T_ij)``, e.g. ``r = min(d_model, H d_head)``
+    (:func:`effective_rank`). Costs ``O(batch n^2 H^4 / 4)`` time, memory chunked over queries.
+    Where ``walk`` is given, non-edges (``W_ij = 0``) get 0; zero maps get 0.
+
+    In the working dtype the closed form loses half the digits near 0 (it subtracts two
+    nearly equal numbers): defects below ``~sqrt(machine eps)`` read as noise in float32.
+
+    >>> A = torch.softmax(torch.randn(1, 2, 4, 4), -1)
+    >>> K2, K4 = gram_matrices(torch.randn(2, 8, 4), torch.randn(2, 4, 8))
+    >>> edge_gram_defects(A / A.sum(1, keepdim=True), K2, K4, rank=8).shape
+    torch.Size([1, 4, 4])
+    """
+    _check_gates(gates, K2.shape[0])
+    _check_rank(rank)
+    gates, K2, K4 = _cast_gates(gates, K2, K4)
+    sigma2 = _edge_frobenius_sq(gates, K2)
+    sigma4 = _edge_sigma4(gates, K4)
+    spread = rank * sigma4 - sigma2**2
+    return _zero_off_walk(_ratio_defect(spread, rank * sigma4), walk)
+
+
+def edge_frobenius_scales(
+    gates: Float[Tensor, "batch head query key"],
+    K2: Float[Tensor, "head head"],
+    rank: int,
+    walk: Float[Tensor, "batch query key"] | None = None,
+) -> Float[Tensor, "batch query key"]:
+    """Each edge's Frobenius scale ``s_ij = sqrt(sum sigma^2(T_ij) / r) = ||T_ij||_F / sqrt(r)``.
+
+    ``||T_ij||_F^2 = H^2 g_ij^T K2 g_ij`` (SPEC 3-4). 0 on non-edges when ``walk`` is given.
+
+    >>> K2 = head_gram(torch.randn(2, 8, 4), torch.randn(2, 4, 8))
+    >>> edge_frobenius_scales(torch.full((1, 2, 3, 3), 0.5), K2, rank=8).shape
+    torch.Size([1, 3, 3])
+    """
+    _check_gates(gates, K2.shape[0])
+    _check_rank(rank)
+    gates, K2 = _cast_gates(gates, K2)
+    scale = (_edge_frobenius_sq(gates, K2).clamp_min(0.0) / rank).sqrt()
+    return _zero_off_walk(scale, walk)
+
+
+def edge_singular_values(
+    gates: Float[Tensor, "batch head query key"],
+    W_V: Float[Tensor, "head d_model d_head"],
+    W_O: Float[Tensor, "head d_head d_model"],
+) -> Float[Tensor, "batch query key rank"]:
+    """Singular values of every effective transport ``T_ij``, ``rank = min(d_model, H d_head)``.
+
+    ``T_ij = W_V^cat diag(H g_ij (x) 1) W_O^cat``; one QR of each concatenated factor reduces
+    every edge to a ``rank x rank`` core. Costs ``O(batch n^2 rank^3)``: for ``delta`` on
+    small problems or a sample of edges ("where affordable", SPEC 3); ``eps`` on all edges is
+    :func:`edge_gram_defects`.
+
+    >>> A = torch.softmax(torch.randn(1, 2, 3, 3), -1)
+    >>> edge_singular_values(A / A.sum(1, keepdim=True), torch.randn(2, 8, 2),
+    ...                      torch.randn(2, 2, 8)).shape
+    torch.Size([1, 3, 3, 4])
+    """
+    _check_heads(W_V, W_O)
+    _check_gates(gates, W_V.shape[0])
+    gates, W_V, W_O = _cast_gates(gates, W_V, W_O)
+    n_heads = W_V.shape[0]
+    _, R_V = torch.linalg.qr(rearrange(W_V, "head d_model d_head -> d_model (head d_head)"))
+    _, R_O = torch.linalg.qr(rearrange(W_O, "head d_head d_model -> d_model (head d_head)"))
+    R_V = rearrange(R_V, "r (head d_head) -> r head d_head", head=n_heads)
+    R_O = rearrange(R_O, "s (head d_head) -> s head d_head", head=n_heads)
+    batch, _, n_query, n_key = gates.shape
+    out = []
+    for rows in _query_chunks(n_query, batch * n_key * R_V.shape[0] * R_O.shape[0]):
+        core = einsum(
+            R_V,
+            n_heads * gates[:, :, rows],
+            R_O,
+            "r head d_head, batch head query key, s head d_head -> batch query key r s",
+        )
+        out.append(torch.linalg.svdvals(core))
+    return torch.cat(out, dim=1)
+
+
+def check_flag(value: object, name: str) -> bool:
+    """``value`` if it is a bool, else a ConnWalkError naming the option ``name``."""
+    if not isinstance(value, bool):
+        raise ConnWalkError(f"{name} must be True or False, got {value!r}.")
+    return value
+
+
+def _edge_weights(walk: Tensor, exclude_sink: bool, edges: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Per-edge weights and the per-batch normaliser of the walk-weighted summaries.
+
+    Plain: ``(W, n)``. Restricted (``exclude_sink`` drops key 0, ``edges`` keeps a subset):
+    rows renormalised over the kept edges and averaged over the rows that keep any mass.
+    """
+    if walk.ndim != 3:
+        raise ConnWalkError(f"walk must be [batch, query, key], got {tuple(walk.shape)}.")
+    weights = walk.to(working_dtype(walk))
+    if (weights < 0).any():
+        raise ConnWalkError("walk has negative entries; a walk matrix is >= 0 (SPEC 1).")
+    if not exclude_sink and edges is None:
+        return weights, torch.full(
+            weights.shape[:1], float(weights.shape[1]), dtype=weights.dtype, device=weights.device
+        )
+    keep = torch.ones_like(weights, dtype=torch.bool)
+    if edges is not None:
+        if edges.shape != walk.shape:
+            raise ConnWalkError(
+                f"edges {tuple(edges.shape)} must have the walk's shape {tuple(walk.shape)}."
+            )
+        keep = keep & edges.to(device=weights.device, dtype=torch.bool)
+    if exclude_sink:
+        keep[:, :, 0] = False
+    weights = torch.where(keep, weights, torch.zeros_like(weights))
+    row_mass = reduce(weights, "batch query key -> batch query 1", "sum")
+    has_mass = row_mass > 0
+    weights = torch.where(has_mass, weights / torch.where(has_mass, row_mass, 1.0), 0.0)
+    rows = reduce(has_mass.to(weights.dtype), "batch query 1 -> batch", "sum")
+    return weights, rows
+
+
+def _on_edges(weights: Tensor, values: Tensor) -> Tensor:
+    """``values`` where the weight is positive, else 0: values off the walk never count.
+
+    Not even a NaN, e.g. from gates left undefined (0/0) on non-edges.
+    """
+    values = values.to(weights)
+    return torch.where(weights > 0, values, torch.zeros_like(values))
+
+
+def walk_weighted_mean(
+    walk: Float[Tensor, "batch query key"],
+    values: Float[Tensor, "batch query key"],
+    *,
+    exclude_sink: bool = False,
+    edges: Bool[Tensor, "batch query key"] | None = None,
+) -> Float[Tensor, " batch"]:
+    """The walk-weighted summary ``(1/n) sum_ij W_ij v_ij`` of per-edge values (SPEC 3).
+
+    ``exclude_sink=True`` drops key 0 (the attention sink) and renormalises every row over the
+    keys left; ``edges`` restricts to a subset of edges the same way. Then the mean runs over
+    the rows that keep any mass (``n`` becomes their number); with no such row it is 0.
+    Values where the weight is 0 are ignored, whatever they are.
+
+    >>> W = torch.softmax(torch.randn(1, 4, 4), -1)
+    >>> walk_weighted_mean(W, torch.ones(1, 4, 4))  # doctest: +SKIP
+    tensor([1.0000])
+    """
+    weights, rows = _edge_weights(walk, check_flag(exclude_sink, "exclude_sink"), edges)
+    values = _on_edges(weights, values)
+    total = einsum(weights, values, "batch query key, batch query key -> batch")
+    return torch.where(rows > 0, total / rows.clamp_min(1.0), torch.zeros_like(total))
+
+
+def walk_weighted_cv(
+    walk: Float[Tensor, "batch query key"],
+    values: Float[Tensor, "batch query key"],
+    *,
+    exclude_sink: bool = False,
+    edges: Bool[Tensor, "batch query key"] | None = None,
+) -> Float[Tensor, " batch"]:
+    """Walk-weighted coefficient of variation ``sqrt(sum p (v - m)^2) / m``, ``m = sum p v``.
+
+    ``p_ij`` are the weights of :func:`walk_weighted_mean` normalised to sum 1 (``W_ij / n`` for
+    a row-stochastic walk). ``0/0`` (all values 0, or no mass) is 0.
+
+    >>> walk_weighted_cv(torch.full((1, 2, 2), 0.5), torch.full((1, 2, 2), 2.0))
+    tensor([0.])
+    """
+    weights, _ = _edge_weights(walk, check_flag(exclude_sink, "exclude_sink"), edges)
+    values = _on_edges(weights, values)
+    total = reduce(weights, "batch query key -> batch 1 1", "sum")
+    p = torch.where(total > 0, weights / torch.where(total > 0, total, 1.0), 0.0)
+    mean = einsum(p, values, "batch query key, batch query key -> batch")
+    var = einsum(
+        p, (values - mean[:, None, None]) ** 2, "batch query key, batch query key -> batch"
+    )
+    safe = torch.where(mean != 0, mean, torch.ones_like(mean))
+    return torch.where(mean != 0, var.clamp_min(0.0).sqrt() / safe.abs(), torch.zeros_like(mean))
+
+
+def effective_transport_defect(
+    walk: Float[Tensor, "batch query key"],
+    gates: Float[Tensor, "batch head query key"],
+    W_V: Float[Tensor, "head d_model d_head"],
+    W_O: Float[Tensor, "head d_head d_model"],
+    *,
+    exclude_sink: bool = False,
+) -> Float[Tensor, " batch"]:
+    """``(1/n) sum_ij W_ij eps(T_ij)`` with ``r = min(d_model, H d_head)`` (SPEC 3).
+
+    >>> A = torch.softmax(torch.randn(1, 2, 4, 4), -1)
+    >>> effective_transport_defect(A.mean(1), A / A.sum(1, keepdim=True),
+    ...                            torch.randn(2, 8, 4), torch.randn(2, 4, 8)).shape
+    torch.Size([1])
+    """
+    K2, K4 = gram_matrices(W_V, W_O)
+    eps = edge_gram_defects(gates, K2, K4, effective_rank(W_V, W_O), walk)
+    return walk_weighted_mean(walk, eps, exclude_sink=exclude_sink)
+
+
+def common_scale(
+    walk: Float[Tensor, "batch query key"],
+    gates: Float[Tensor, "batch head query key"],
+    W_V: Float[Tensor, "head d_model d_head"],
+    W_O: Float[Tensor, "head d_head d_model"],
+    *,
+    exclude_sink: bool = False,
+) -> Float[Tensor, " batch"]:
+    """The common scale ``s``: walk-weighted mean of ``||T_ij||_F / sqrt(r)`` (SPEC 4).
+
+    >>> Q = torch.linalg.qr(torch.randn(4, 4)).Q
+    >>> common_scale(torch.full((1, 3, 3), 1 / 3), torch.ones(1, 1, 3, 3), 2 * Q[None],
+    ...              Q.T[None])  # doctest: +SKIP
+    tensor([2.])
+    """
+    K2 = head_gram(W_V, W_O)
+    scale = edge_frobenius_scales(gates, K2, effective_rank(W_V, W_O), walk)
+    return walk_weighted_mean(walk, scale, exclude_sink=exclude_sink)
+
+
+def random_head_factors(
+    W_V: Float[Tensor, "head d_model d_head"],
+    W_O: Float[Tensor, "head d_head d_model"],
+    generator: torch.Generator,
+) -> tuple[Float[Tensor, "head d_model d_head"], Float[Tensor, "head d_head d_model"]]:
+    """Gaussian factors of the same shapes whose head transports have the same ``||T^h||_F``.
+
+    Each random head's scale is split evenly between its two factors; a zero head stays 0.
+
+    >>> V, O = random_head_factors(torch.randn(2, 8, 4), torch.randn(2, 4, 8),
+    ...                            torch.Generator().manual_seed(0))
+    >>> V.shape, O.shape
+    (torch.Size([2, 8, 4]), torch.Size([2, 4, 8]))
+    """
+    W_V, W_O = _cast_heads(W_V, W_O)
+    if generator.device.type != W_V.device.type:
+        raise ConnWalkError(
+            f"the generator is on {generator.device} but the weights are on {W_V.device}; "
+            "pass torch.Generator(device=W_V.device) or an integer seed."
+        )
+    rand_V = torch.randn(W_V.shape, dtype=W_V.dtype, device=W_V.device, generator=generator)
+    rand_O = torch.randn(W_O.shape, dtype=W_O.dtype, device=W_O.device, generator=generator)
+    target = head_gram(W_V, W_O).diagonal().clamp_min(0.0).sqrt()
+    drawn = head_gram(rand_V, rand_O).diagonal().clamp_min(0.0).sqrt()
+    factor = torch.where(drawn > 0, target / torch.where(drawn > 0, drawn, 1.0), 0.0).sqrt()
+    return rand_V * factor[:, None, None], rand_O * factor[:, None, None]
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomBaseline:
+    """A measurement repeated on random transports (SPEC 3): every draw, their mean and spread.
+
+    ``std`` is the sample standard deviation over draws (``n_draws >= 2``).
+    """
+
+    draws: Float[Tensor, "draw ..."]
+
+    @property
+    def mean(self) -> Tensor:
+        return self.draws.mean(0)
+
+    @property
+    def std(self) -> Tensor:
+        return self.draws.std(0)
+
+    @property
+    def n_draws(self) -> int:
+        return self.draws.shape[0]
+
+    def to_dict(self) -> dict[str, object]:
+        return {"mean": self.mean.tolist(), "std": self.std.tolist(), "n_draws": self.n_draws}
+
+
+def random_baseline(
+    measure: Callable[[Tensor, Tensor], Tensor],
+    W_V: Float[Tensor, "head d_model d_head"],
+    W_O: Float[Tensor, "head d_head d_model"],
+    n_draws: int = 16,
+    *,
+    seed: int | torch.Generator = 0,
+) -> RandomBaseline:
+    """``measure(W_V', W_O')`` on ``n_draws`` random factor pairs (:func:`random_head_factors`).
+
+    Same shapes and same head Frobenius norms, Gaussian factors (SPEC 3). ``seed`` is an integer
+    (a fresh generator on the weights' device) or a ``torch.Generator``.
+
+    >>> base = random_baseline(head_transport_defects, torch.randn(2, 16, 4),
+    ...                        torch.randn(2, 4, 16), n_draws=4)
+    >>> base.mean.shape, base.std.shape
+    (torch.Size([2]), torch.Size([2]))
+    """
+    if isinstance(n_draws, bool) or not isinstance(n_draws, int) or n_draws < 2:
+        raise ConnWalkError(f"n_draws must be an integer >= 2 (for a spread), got {n_draws!r}.")
+    if isinstance(seed, torch.Generator):
+        generator = seed
+    elif isinstance(seed, int):
+        generator = torch.Generator(device=W_V.device).manual_seed(seed)
+    else:
+        raise ConnWalkError(f"seed must be an int or a torch.Generator, got {seed!r}.")
+    draws = [measure(*random_head_factors(W_V, W_O, generator)) for _ in range(n_draws)]
+    stacked = torch.stack(draws)
+    return RandomBaseline(stacked.to(working_dtype(stacked)))

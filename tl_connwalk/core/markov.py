@@ -1,0 +1,359 @@
+"""The walk as a Markov chain: conditions (C1)-(C2), layer drift and pairing (SPEC sections 2-3).
+
+Pure functions on tensors. A walk ``W`` is ``[batch, query, key]``, row ``i`` the distribution
+of the step out of position ``i``. The measurements:
+
+    stochasticity   max_i |sum_j W_ij - 1|                                     (C1)
+    reversibility   ||M - M^T||_F / ||M + M^T||_F,  M = diag(mu) W              (C2)
+    layer drift     (1/n) sum_i TV(W^l_i., W^l+1_i.)
+    pairing         ||T_ji - T_ij^T||_F / ||T_ij||_F over edges in both directions (C3)
+
+Spectral work (stationary distributions) runs in float64; results come back in float32 or
+wider, like the rest of the core.
+"""
+
+import dataclasses
+from typing import Literal, get_args
+
+import torch
+from einops import einsum, rearrange, reduce
+from jaxtyping import Bool, Float
+from torch import Tensor
+
+from tl_connwalk.core.isometry import (
+    check_flag,
+    head_gram,
+    head_mixed_gram,
+    walk_weighted_mean,
+    working_dtype,
+)
+from tl_connwalk.errors import ConnWalkError
+
+MuKind = Literal["stationary", "uniform", "given", "teleport"]
+MuOption = Literal["stationary", "uniform", "teleport"]
+
+
+def _check_walk(walk: Tensor, name: str = "walk", square: bool = True) -> Tensor:
+    """``walk`` in float64 after the checks every function here needs."""
+    if walk.ndim != 3:
+        raise ConnWalkError(f"{name} must be [batch, query, key], got {tuple(walk.shape)}.")
+    if square and walk.shape[1] != walk.shape[2]:
+        raise ConnWalkError(
+            f"{name} {tuple(walk.shape)} is not square: a Markov chain needs query == key "
+            "(pass self-attention patterns, not cross-attention)."
+        )
+    walk64 = walk.to(torch.float64)
+    if not torch.isfinite(walk64).all():
+        raise ConnWalkError(f"{name} has NaN or inf entries (a fully masked row?).")
+    if (walk64 < 0).any():
+        raise ConnWalkError(f"{name} has negative entries; a walk matrix is >= 0 (SPEC 1).")
+    return walk64
+
+
+def stochasticity_residual(walk: Float[Tensor, "batch query key"]) -> Float[Tensor, " batch"]:
+    """``max_i |sum_j W_ij - 1|`` (SPEC 3): zero exactly under (C1).
+
+    >>> stochasticity_residual(torch.softmax(torch.randn(2, 4, 4), -1))  # doctest: +SKIP
+    tensor([5.9605e-08, 0.0000e+00])
+    """
+    walk64 = _check_walk(walk, square=False)
+    residual = (reduce(walk64, "batch query key -> batch query", "sum") - 1).abs()
+    return reduce(residual, "batch query -> batch", "max").to(working_dtype(walk))
+
+
+def is_irreducible(walk: Float[Tensor, "batch query key"]) -> Bool[Tensor, " batch"]:
+    """Whether the graph ``W_ij > 0`` is strongly connected (every position reaches every other).
+
+    Breadth-first reachability from position 0 forwards and backwards, ``O(diameter n^2)``.
+    A causal walk is reducible (nothing leaves position 0) unless ``n = 1``.
+
+    >>> is_irreducible(torch.full((1, 3, 3), 1 / 3)), is_irreducible(torch.eye(3)[None])
+    (tensor([True]), tensor([False]))
+    """
+    edges = (_check_walk(walk) > 0).to(torch.float64)
+    batch, n_pos, _ = edges.shape
+    start = torch.zeros(batch, n_pos, dtype=torch.float64, device=edges.device)
+    start[:, 0] = 1.0
+    forward, backward = start, start
+    for _ in range(n_pos):
+        new_forward = ((forward + einsum(forward, edges, "b i, b i j -> b j")) > 0).to(forward)
+        new_backward = ((backward + einsum(edges, backward, "b i j, b j -> b i")) > 0).to(forward)
+        if torch.equal(new_forward, forward) and torch.equal(new_backward, backward):
+            break
+        forward, backward = new_forward, new_backward
+    return (forward > 0).all(-1) & (backward > 0).all(-1)
+
+
+def _row_normalised(walk64: Tensor) -> Tensor:
+    """Rows scaled to sum 1; rows without mass become uniform (dangling positions)."""
+    mass = reduce(walk64, "batch query key -> batch query 1", "sum")
+    uniform = torch.full_like(walk64, 1.0 / walk64.shape[-1])
+    return torch.where(mass > 0, walk64 / torch.where(mass > 0, mass, 1.0), uniform)
+
+
+def _solve_stationary(chain: Tensor) -> Tensor:
+    """``mu^T P = mu^T, sum mu = 1`` for irreducible row-stochastic ``P`` (float64), by one solve.
+
+    ``P^T - I`` has rank ``n - 1`` and the all-ones row is independent of its rows, so
+    replacing the last equation by normalisation gives a nonsingular system. A solve (not
+    power iteration) also handles periodic chains.
+    """
+    n_pos = chain.shape[-1]
+    system = rearrange(chain, "batch i j -> batch j i") - torch.eye(
+        n_pos, dtype=chain.dtype, device=chain.device
+    )
+    system[:, -1, :] = 1.0
+    rhs = torch.zeros(chain.shape[:2], dtype=chain.dtype, device=chain.device)
+    rhs[:, -1] = 1.0
+    mu = torch.linalg.solve(system, rhs).clamp_min(0.0)
+    return mu / reduce(mu, "batch pos -> batch 1", "sum")
+
+
+def _check_alpha(alpha: float) -> float:
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha < 1.0:
+        raise ConnWalkError(
+            f"teleport alpha must be a number in [0, 1) (the weight kept on W), got {alpha!r}."
+        )
+    return float(alpha)
+
+
+def stationary_distribution(
+    walk: Float[Tensor, "batch query key"], *, teleport: float | None = None
+) -> Float[Tensor, "batch query"]:
+    """The stationary distribution ``mu`` (``mu^T W = mu^T``, ``sum mu = 1``) of the walk.
+
+    Rows are first normalised to sum 1 (float rounding in patterns is ignored). Where the walk
+    is reducible (:func:`is_irreducible` is False) there is no unique positive ``mu`` and the
+    result is uniform, ``1/n``. With ``teleport=alpha`` it is instead the stationary
+    distribution of ``alpha W + (1 - alpha) 11^T / n`` (PageRank; rows of ``W`` without mass
+    jump uniformly), which always exists and is positive. Solved in float64.
+
+    >>> W = torch.tensor([[[0.5, 0.5], [0.25, 0.75]]])
+    >>> stationary_distribution(W)  # doctest: +SKIP
+    tensor([[0.3333, 0.6667]])
+    """
+    if teleport is not None:
+        chain = _row_normalised(_check_walk(walk))
+        alpha = _check_alpha(teleport)
+        mu = _solve_stationary(alpha * chain + (1.0 - alpha) / chain.shape[-1])
+        return mu.to(working_dtype(walk))
+    return _stationary_or_uniform(walk)[0].to(working_dtype(walk))
+
+
+def _stationary_or_uniform(walk: Tensor) -> tuple[Tensor, Tensor]:
+    """float64 ``mu`` (stationary where irreducible, else uniform) and the irreducible flags."""
+    walk64 = _check_walk(walk)
+    n_pos = walk64.shape[-1]
+    irreducible = is_irreducible(walk)
+    mu = torch.full(walk64.shape[:2], 1.0 / n_pos, dtype=torch.float64, device=walk64.device)
+    if irreducible.any():
+        mu[irreducible] = _solve_stationary(_row_normalised(walk64[irreducible]))
+    return mu, irreducible
+
+
+@dataclasses.dataclass(frozen=True)
+class ReversibilityResidual:
+    """The reversibility residual per batch element and the measure ``mu`` it was taken with.
+
+    ``mu_kind[b]`` is ``"stationary"`` (irreducible walk), ``"uniform"`` (asked for, or the
+    fallback for a reducible walk such as a causal one), ``"given"`` or ``"teleport"``.
+    """
+
+    residual: Float[Tensor, " batch"]
+    mu: Float[Tensor, "batch pos"]
+    mu_kind: tuple[MuKind, ...]
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "residual": self.residual.tolist(),
+            "mu": self.mu.tolist(),
+            "mu_kind": list(self.mu_kind),
+        }
+
+
+def reversibility_residual(
+    walk: Float[Tensor, "batch query key"],
+    mu: Float[Tensor, "batch query"] | MuOption = "stationary",
+    *,
+    alpha: float = 0.85,
+) -> ReversibilityResidual:
+    """``||M - M^T||_F / ||M + M^T||_F`` with ``M = diag(mu) W`` (SPEC 3): zero under (C2).
+
+    ``mu``: ``"stationary"`` (default; the stationary distribution where the walk is
+    irreducible, else uniform, and the result says which), ``"uniform"``, ``"teleport"`` (the
+    stationary distribution of ``alpha W + (1 - alpha) 11^T / n``) or a ``[batch, query]``
+    tensor of your own (``>= 0``, any scale). ``W`` itself is used as given. A zero ``M``
+    (0/0) counts as reversible: residual 0.
+
+    >>> S = torch.rand(1, 4, 4); S = S + S.mT
+    >>> reversibility_residual(S / S.sum(-1, keepdim=True)).residual  # doctest: +SKIP
+    tensor([1.2e-08])
+    """
+    walk64 = _check_walk(walk)
+    batch, n_pos, _ = walk64.shape
+    kinds: list[MuKind]
+    if isinstance(mu, Tensor):
+        if mu.shape != walk64.shape[:2]:
+            raise ConnWalkError(
+                f"mu {tuple(mu.shape)} must be [batch, query] = {tuple(walk64.shape[:2])}."
+            )
+        mu64 = mu.to(device=walk64.device, dtype=torch.float64)
+        if not torch.isfinite(mu64).all() or (mu64 < 0).any() or (mu64.sum(-1) <= 0).any():
+            raise ConnWalkError("mu must be finite, >= 0 and have positive mass in every row.")
+        kinds = ["given"] * batch
+    elif mu == "stationary":
+        mu64, irreducible = _stationary_or_uniform(walk)
+        kinds = ["stationary" if flag else "uniform" for flag in irreducible.tolist()]
+    elif mu == "uniform":
+        mu64 = torch.full((batch, n_pos), 1.0 / n_pos, dtype=torch.float64, device=walk64.device)
+        kinds = ["uniform"] * batch
+    elif mu == "teleport":
+        mu64 = stationary_distribution(walk, teleport=alpha).to(torch.float64)
+        kinds = ["teleport"] * batch
+    else:
+        raise ConnWalkError(f"mu must be a tensor or one of {get_args(MuOption)}, got {mu!r}.")
+    flow = einsum(mu64, walk64, "batch query, batch query key -> batch query key")
+    flow_t = rearrange(flow, "batch query key -> batch key query")
+    diff = torch.linalg.matrix_norm(flow - flow_t)
+    total = torch.linalg.matrix_norm(flow + flow_t)
+    residual = torch.where(total > 0, diff / torch.where(total > 0, total, 1.0), 0.0)
+    dtype = working_dtype(walk)
+    return ReversibilityResidual(residual.to(dtype), mu64.to(dtype), tuple(kinds))
+
+
+def layer_drift(
+    walk_a: Float[Tensor, "batch query key"],
+    walk_b: Float[Tensor, "batch query key"],
+    *,
+    exclude_sink: bool = False,
+) -> Float[Tensor, " batch"]:
+    """``(1/n) sum_i TV(W^a_i., W^b_i.)``, ``TV`` half the L1 distance of two rows (SPEC 3).
+
+    ``exclude_sink=True`` drops key 0 and renormalises both walks' rows; rows left without
+    mass in either walk are left out of the mean (``n`` counts the others; none left: 0).
+
+    >>> W = torch.softmax(torch.randn(1, 4, 4), -1)
+    >>> layer_drift(W, W)
+    tensor([0.])
+    """
+    check_flag(exclude_sink, "exclude_sink")
+    a64 = _check_walk(walk_a, "walk_a", square=False)
+    b64 = _check_walk(walk_b, "walk_b", square=False)
+    if a64.shape != b64.shape:
+        raise ConnWalkError(
+            f"layer_drift compares walks of one shape; got {tuple(a64.shape)} and "
+            f"{tuple(b64.shape)} (same batch and positions at both layers)."
+        )
+    dtype = working_dtype(walk_a, walk_b)
+    if not exclude_sink:
+        tv = 0.5 * reduce((a64 - b64.to(a64.device)).abs(), "batch query key -> batch query", "sum")
+        return reduce(tv, "batch query -> batch", "mean").to(dtype)
+    a64, b64 = a64[:, :, 1:], b64[:, :, 1:].to(a64.device)
+    mass_a = reduce(a64, "batch query key -> batch query 1", "sum")
+    mass_b = reduce(b64, "batch query key -> batch query 1", "sum")
+    kept = (mass_a > 0) & (mass_b > 0)
+    a64 = a64 / torch.where(kept, mass_a, 1.0)
+    b64 = b64 / torch.where(kept, mass_b, 1.0)
+    tv = 0.5 * (a64 - b64).abs().sum(-1, keepdim=True)
+    tv = torch.where(kept, tv, 0.0)
+    rows = reduce(kept.to(tv.dtype), "batch query 1 -> batch", "sum")
+    total = reduce(tv, "batch query 1 -> batch", "sum")
+    return torch.where(rows > 0, total / rows.clamp_min(1.0), 0.0).to(dtype)
+
+
+def edge_pairing_residuals(
+    gates: Float[Tensor, "batch head query key"],
+    K2: Float[Tensor, "head head"],
+    KM: Float[Tensor, "head head"],
+) -> Float[Tensor, "batch query key"]:
+    """``||T_ji - T_ij^T||_F / ||T_ij||_F`` on every pair ``(i, j)``, without forming ``T_ij``.
+
+    ``||T_ji - T_ij^T||^2 = ||T_ji||^2 + ||T_ij||^2 - 2 tr(T_ij T_ji)`` with
+    ``||T_ij||^2 = H^2 g_ij^T K2 g_ij`` and ``tr(T_ij T_ji) = H^2 g_ij^T KM g_ji``
+    (``K2`` from :func:`~tl_connwalk.core.isometry.head_gram`, ``KM`` from
+    :func:`~tl_connwalk.core.isometry.head_mixed_gram`). Where ``T_ij = 0`` the residual is
+    normalised by ``||T_ji||_F`` instead (so it is 1), and where both are 0 it is 0. Loses half
+    the working precision near 0 (a difference of nearly equal numbers).
+
+    >>> K2 = head_gram(torch.randn(2, 8, 4), torch.randn(2, 4, 8))
+    >>> KM = head_mixed_gram(torch.randn(2, 8, 4), torch.randn(2, 4, 8))
+    >>> edge_pairing_residuals(torch.full((1, 2, 3, 3), 0.5), K2, KM).shape
+    torch.Size([1, 3, 3])
+    """
+    n_heads = K2.shape[0]
+    if gates.ndim != 4 or gates.shape[1] != n_heads or gates.shape[2] != gates.shape[3]:
+        raise ConnWalkError(
+            f"gates must be [batch, head, query, key] with head={n_heads} and query == key; "
+            f"got {tuple(gates.shape)}."
+        )
+    dtype = working_dtype(gates, K2, KM)
+    gates, K2, KM = (t.to(device=gates.device, dtype=dtype) for t in (gates, K2, KM))
+    reverse = rearrange(gates, "batch head query key -> batch head key query")
+    norm_sq = n_heads**2 * einsum(
+        gates, K2, gates, "batch a query key, a b, batch b query key -> batch query key"
+    )
+    cross = n_heads**2 * einsum(
+        gates, KM, reverse, "batch a query key, a b, batch b query key -> batch query key"
+    )
+    norm_sq_reverse = rearrange(norm_sq, "batch query key -> batch key query")
+    gap = (norm_sq + norm_sq_reverse - 2 * cross).clamp_min(0.0)
+    denom = torch.where(norm_sq > 0, norm_sq, norm_sq_reverse)
+    return torch.where(denom > 0, gap / torch.where(denom > 0, denom, 1.0), 0.0).sqrt()
+
+
+@dataclasses.dataclass(frozen=True)
+class PairingResidual:
+    """The walk-weighted pairing residual, and whether it applies, per batch element.
+
+    ``applicable[b]`` is False for a causal walk (no off-diagonal pair of positions with edges
+    both ways); there ``residual[b]`` is 0 and means nothing: read :meth:`values` instead.
+    """
+
+    residual: Float[Tensor, " batch"]
+    applicable: Bool[Tensor, " batch"]
+
+    def values(self) -> list[float | None]:
+        """The residuals, ``None`` where the pairing is not applicable."""
+        return [
+            value if ok else None
+            for value, ok in zip(self.residual.tolist(), self.applicable.tolist(), strict=True)
+        ]
+
+    def to_dict(self) -> dict[str, object]:
+        return {"residual": self.values(), "applicable": self.applicable.tolist()}
+
+
+def pairing_residual(
+    walk: Float[Tensor, "batch query key"],
+    gates: Float[Tensor, "batch head query key"],
+    W_V: Float[Tensor, "head d_model d_head"],
+    W_O: Float[Tensor, "head d_head d_model"],
+    *,
+    exclude_sink: bool = False,
+) -> PairingResidual:
+    """The pairing residual ``||T_ji - T_ij^T||_F / ||T_ij||_F``, walk-weighted (SPEC 3).
+
+    Averaged over the edges present in both directions (``W_ij > 0`` and ``W_ji > 0``,
+    diagonal included: ``T_ii`` must be symmetric) with the restricted weights of
+    :func:`~tl_connwalk.core.isometry.walk_weighted_mean` (rows renormalised over those edges;
+    ``exclude_sink`` also drops key 0). Not applicable (``applicable`` False) where no
+    off-diagonal pair has edges both ways: a causal walk. Costs ``O(batch n^2 H^2)``.
+
+    >>> A = torch.softmax(torch.randn(1, 2, 4, 4), -1)
+    >>> pairing_residual(A.mean(1), A / A.sum(1, keepdim=True), torch.randn(2, 8, 4),
+    ...                  torch.randn(2, 4, 8)).applicable
+    tensor([True])
+    """
+    walk64 = _check_walk(walk)
+    if gates.shape[:1] + gates.shape[2:] != walk64.shape:
+        raise ConnWalkError(
+            f"gates {tuple(gates.shape)} and walk {tuple(walk64.shape)} disagree: need "
+            "gates [batch, head, query, key] and walk [batch, query, key]."
+        )
+    residual = edge_pairing_residuals(gates, head_gram(W_V, W_O), head_mixed_gram(W_V, W_O))
+    present = walk64 > 0
+    both = present & rearrange(present, "batch query key -> batch key query")
+    off_diagonal = ~torch.eye(walk64.shape[-1], dtype=torch.bool, device=walk64.device)
+    applicable = rearrange(both & off_diagonal, "batch query key -> batch (query key)").any(-1)
+    mean = walk_weighted_mean(walk, residual, exclude_sink=exclude_sink, edges=both)
+    return PairingResidual(torch.where(applicable, mean, torch.zeros_like(mean)), applicable)
