@@ -7,14 +7,18 @@
 >>> walk.apply() + walk.bias()  # == cache["blocks.0.hook_attn_out"]  # doctest: +SKIP
 """
 
+from tl_connwalk.analysis import geometry_table as geometry_table
+from tl_connwalk.analysis import layer_drift as layer_drift
 from tl_connwalk.attach import attach as attach
 from tl_connwalk.attach import detach as detach
 from tl_connwalk.attach import is_attached as is_attached
 from tl_connwalk.cache import connection_walk as connection_walk
+from tl_connwalk.cache import laplacian_residual as laplacian_residual
 from tl_connwalk.cache import required_hooks as required_hooks
 from tl_connwalk.core.generator import ConnectionGenerator as ConnectionGenerator
 from tl_connwalk.core.walk import EffectiveTransport as EffectiveTransport
 from tl_connwalk.errors import ConnWalkError as ConnWalkError
+from tl_connwalk.residual import LaplacianResidual as LaplacianResidual
 from tl_connwalk.walk import ConnectionWalk as ConnectionWalk
 
 __version__ = "0.1.0.dev0"
@@ -24,9 +28,13 @@ __all__ = [
     "ConnectionGenerator",
     "ConnectionWalk",
     "EffectiveTransport",
+    "LaplacianResidual",
     "attach",
     "connection_walk",
     "detach",
+    "geometry_table",
     "is_attached",
+    "laplacian_residual",
+    "layer_drift",
     "required_hooks",
 ]

@@ -16,11 +16,15 @@ from torch import nn
 from transformer_lens import ActivationCache
 
 from tl_connwalk.adapters import adapter_for
-from tl_connwalk.cache import connection_walk
+from tl_connwalk.analysis import geometry_table, layer_drift
+from tl_connwalk.cache import connection_walk, laplacian_residual
 from tl_connwalk.errors import ConnWalkError
 
 #: The methods ``attach`` registers on ``ActivationCache``, by name.
-CACHE_METHODS: dict[str, Callable[..., Any]] = {"connection_walk": connection_walk}
+CACHE_METHODS: dict[str, Callable[..., Any]] = {
+    function.__name__: function
+    for function in (connection_walk, laplacian_residual, layer_drift, geometry_table)
+}
 
 _MARK = "__tl_connwalk__"
 _attached: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()

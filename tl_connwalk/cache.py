@@ -7,13 +7,14 @@ plain ``ActivationCache`` objects TransformerLens builds internally (``apply_sli
 """
 
 from collections.abc import Iterable
-from typing import cast
+from typing import Any, cast
 
 from torch import nn
 from transformer_lens import ActivationCache
 
 from tl_connwalk.adapters import adapter_for, resolve_layer
 from tl_connwalk.errors import ConnWalkError
+from tl_connwalk.residual import LaplacianResidual
 from tl_connwalk.walk import ConnectionWalk
 
 
@@ -36,6 +37,28 @@ def required_hooks(model: nn.Module, layers: Iterable[int] | int | None = None) 
     return names
 
 
+def _model_of(cache: ActivationCache, model: nn.Module | None) -> nn.Module:
+    if not isinstance(cache, ActivationCache):
+        raise ConnWalkError(
+            f"expected a transformer_lens ActivationCache, got {type(cache).__name__}; "
+            "make one with `logits, cache = model.run_with_cache(tokens)`."
+        )
+    if model is None:
+        model = cast(nn.Module | None, cache.model)
+    if model is None:
+        raise ConnWalkError(
+            "this cache does not know its model; pass it: "
+            "connection_walk(cache, layer, model=model)."
+        )
+    return model
+
+
+def n_layers_of(cache: ActivationCache, model: nn.Module | None = None) -> int:
+    """How many attention layers the cache's model has."""
+    model = _model_of(cache, model)
+    return adapter_for(model).n_layers(model)
+
+
 def connection_walk(
     cache: ActivationCache, layer: int, model: nn.Module | None = None
 ) -> ConnectionWalk:
@@ -56,18 +79,7 @@ def connection_walk(
         >>> walk = tl_connwalk.connection_walk(cache, 0)  # doctest: +SKIP
         >>> walk.walk.shape  # [batch, query, key]  # doctest: +SKIP
     """
-    if not isinstance(cache, ActivationCache):
-        raise ConnWalkError(
-            f"expected a transformer_lens ActivationCache, got {type(cache).__name__}; "
-            "make one with `logits, cache = model.run_with_cache(tokens)`."
-        )
-    if model is None:
-        model = cast(nn.Module | None, cache.model)
-    if model is None:
-        raise ConnWalkError(
-            "this cache does not know its model; pass it: "
-            "connection_walk(cache, layer, model=model)."
-        )
+    model = _model_of(cache, model)
     adapter = adapter_for(model)
     layer = resolve_layer(adapter, model, layer)
     needed = adapter.required_hooks(model, layer)
@@ -80,3 +92,13 @@ def connection_walk(
             "or names_filter=tl_connwalk.required_hooks(model) for every layer."
         )
     return adapter.walk_from_cache(cache, model, layer)
+
+
+def laplacian_residual(
+    cache: ActivationCache, layer: int, model: nn.Module | None = None, **options: Any
+) -> LaplacianResidual:
+    """``connection_walk(cache, layer, model).laplacian_residual(**options)`` (SPEC 2-4).
+
+    >>> print(cache.laplacian_residual(-1))  # doctest: +SKIP
+    """
+    return connection_walk(cache, layer, model).laplacian_residual(**options)

@@ -10,13 +10,14 @@ from a TransformerLens cache with ``cache.connection_walk(layer)`` (after
 import dataclasses
 import functools
 from collections.abc import Mapping
-from typing import overload
+from typing import Any, overload
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 from transformer_lens import FactoredMatrix
 
+from tl_connwalk import residual
 from tl_connwalk.core import walk as core
 from tl_connwalk.core.generator import ConnectionGenerator
 from tl_connwalk.errors import ConnWalkError
@@ -171,6 +172,25 @@ class ConnectionWalk:
     def generator(self) -> ConnectionGenerator:
         """``L = I - P`` as an operator: ``.matvec(field)``, ``.to_dense()`` on request."""
         return ConnectionGenerator(self.patterns, self.W_V, self.W_O)
+
+    def laplacian_residual(self, **options: Any) -> residual.LaplacianResidual:
+        """How far ``L = I - P`` is from a random-walk connection Laplacian (SPEC 2-4).
+
+        Options as :func:`tl_connwalk.residual.laplacian_residual` (``mu``, ``alpha``,
+        ``exclude_sink``, ``baseline_draws``, ``seed``).
+
+        >>> walk.laplacian_residual(exclude_sink=True).transport_defect  # doctest: +SKIP
+        """
+        return residual.laplacian_residual(self, **options)
+
+    def isometry_defects(
+        self, kind: residual.DefectKind = "gram"
+    ) -> Float[Tensor, "batch query key"]:
+        """Per-edge defect of ``T_ij``: ``"gram"`` (eps, closed form) or ``"frobenius"`` (delta).
+
+        0 where ``W_ij = 0``. See :func:`tl_connwalk.residual.isometry_defects`.
+        """
+        return residual.isometry_defects(self, kind)
 
     def __repr__(self) -> str:
         batch, n_heads, n_pos, _ = self.gates.shape

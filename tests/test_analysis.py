@@ -1,0 +1,53 @@
+"""layer_drift and geometry_table over a whole cache."""
+
+import itertools
+
+import torch
+
+import tl_connwalk
+from tests.architectures import tokens
+from tl_connwalk.toy import random_bridge
+
+
+def test_layer_drift_is_total_variation_between_layers():
+    model = random_bridge("llama", n_layers=3)
+    _, cache = model.run_with_cache(tokens())
+    drift = tl_connwalk.layer_drift(cache)
+    walks = [cache[f"blocks.{layer}.attn.hook_pattern"].mean(1) for layer in range(3)]
+    expected = torch.stack(
+        [0.5 * (a - b).abs().sum(-1).mean(-1) for a, b in itertools.pairwise(walks)], -1
+    )
+    torch.testing.assert_close(drift, expected)
+    sinkless = tl_connwalk.layer_drift(cache, exclude_sink=True)
+    assert sinkless.shape == (2, 2) and not torch.equal(sinkless, drift)
+
+
+def test_geometry_table_is_tidy():
+    model = random_bridge("gpt2", n_layers=2)
+    _, cache = model.run_with_cache(tokens())
+    table = tl_connwalk.geometry_table(cache, baseline_draws=2, progress=False)
+    assert len(table) == 2 * (1 + 4)
+    assert list(table[table["head"] == "all"]["layer"]) == [0, 1]
+    for column in (
+        "transport_defect",
+        "transport_defect_baseline",
+        "head_defect_baseline_std",
+        "drift_to_next",
+    ):
+        assert column in table.columns
+    layer_1 = tl_connwalk.laplacian_residual(cache, 1, baseline_draws=2)
+    row = table[(table["layer"] == 1) & (table["head"] == "all")].iloc[0]
+    assert row["transport_defect"] == layer_1.transport_defect.mean().item()
+    assert row["pairing"] != row["pairing"]  # NaN: causal walks have no pairing
+
+
+def test_cache_methods_after_attach():
+    model = random_bridge("gpt2")
+    tl_connwalk.attach(model)
+    try:
+        _, cache = model.run_with_cache(tokens())
+        assert cache.laplacian_residual(0, baseline_draws=2).layer == 0
+        assert cache.layer_drift().shape == (2, 1)
+        assert len(cache.geometry_table(layers=[1], baseline_draws=2, progress=False)) == 5
+    finally:
+        tl_connwalk.detach(model)

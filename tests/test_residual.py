@@ -1,0 +1,112 @@
+"""laplacian_residual and per-edge defects on real caches, against SVDs of materialised maps."""
+
+import inspect
+import json
+
+import pytest
+import torch
+
+import tl_connwalk
+from tests.architectures import tokens
+from tl_connwalk.toy import random_bridge
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama", "bert"])
+def walk(request):
+    model = random_bridge(request.param, d_model=16, n_heads=4)
+    _, cache = model.run_with_cache(tokens(batch=2, pos=5))
+    return tl_connwalk.connection_walk(cache, 1)
+
+
+def svd_defects(walk):
+    """delta and eps of every edge from torch.linalg.svdvals of the dense T_ij, in float64."""
+    batch, _, n, _ = walk.gates.shape
+    rank = min(walk.W_V.shape[1], walk.n_heads * walk.W_V.shape[2])
+    delta = torch.zeros(batch, n, n, dtype=torch.float64)
+    eps = torch.zeros_like(delta)
+    for i in range(n):
+        for j in range(n):
+            sigma = torch.linalg.svdvals(walk.effective_transport(i, j).AB.double())[:, :rank]
+            s1, s2, s4 = sigma.sum(-1), (sigma**2).sum(-1), (sigma**4).sum(-1)
+            delta[:, i, j] = (1 - s1**2 / (rank * s2)).clamp_min(0).sqrt()
+            eps[:, i, j] = (1 - s2**2 / (rank * s4)).clamp_min(0).sqrt()
+    on_walk = walk.walk.double() > 0
+    return torch.where(on_walk, delta, 0.0), torch.where(on_walk, eps, 0.0)
+
+
+def test_per_edge_defects_match_svd(walk):
+    delta, eps = svd_defects(walk)
+    torch.testing.assert_close(walk.isometry_defects("gram").double(), eps, atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        walk.isometry_defects("frobenius").double(), delta, atol=1e-4, rtol=0
+    )
+
+
+def test_residual_matches_independent_references(walk):
+    res = walk.laplacian_residual(baseline_draws=3)
+    _, eps = svd_defects(walk)
+    n = walk.walk.shape[-1]
+    expected = (walk.walk.double() * eps).sum((-1, -2)) / n
+    torch.testing.assert_close(res.transport_defect.double(), expected, atol=1e-4, rtol=0)
+    # head defects from TransformerLens's own FactoredMatrix SVD of the OV circuits
+    sigma = walk.head_transports.S.double()[:, : walk.W_V.shape[2]]
+    delta = (1 - sigma.sum(-1) ** 2 / (sigma.shape[-1] * (sigma**2).sum(-1))).sqrt()
+    torch.testing.assert_close(res.head_defects.double(), delta, atol=1e-5, rtol=0)
+    torch.testing.assert_close(res.stochasticity, (walk.walk.sum(-1) - 1).abs().amax(-1))
+    # the common scale: walk-weighted ||T_ij||_F / sqrt(r)
+    rank = min(walk.W_V.shape[1], walk.n_heads * walk.W_V.shape[2])
+    norms = torch.stack(
+        [
+            torch.stack(
+                [walk.effective_transport(i, j).AB.norm(dim=(-2, -1)) for j in range(n)], -1
+            )
+            for i in range(n)
+        ],
+        -2,
+    )
+    expected_scale = (walk.walk * norms / rank**0.5).sum((-1, -2)) / n
+    torch.testing.assert_close(res.scale, expected_scale, rtol=1e-5, atol=0)
+    assert all(b.n_draws == 3 for b in res.baseline.values())
+    json.dumps(res.to_dict())
+    assert "transport_defect" in repr(res) and "random" in repr(res)
+
+
+def test_pairing_applies_to_encoders_only(walk):
+    res = walk.laplacian_residual(baseline_draws=2)
+    bidirectional = bool((walk.walk > 0).all())
+    assert (res.pairing is not None) == bidirectional
+    assert res.mu_kind == (("stationary",) * 2 if bidirectional else ("uniform",) * 2)
+
+
+def test_symmetric_walk_with_paired_orthogonal_transports_is_a_connection_laplacian():
+    """Symmetric doubly stochastic walk, one head with T = s Q (Q symmetric orthogonal): every
+    condition holds, so every residual is 0 (SPEC 2)."""
+    n, d = 5, 6
+    scores = torch.randn(n, n, dtype=torch.float64)
+    S = torch.exp(scores + scores.T)
+    for _ in range(200):  # Sinkhorn: symmetric and doubly stochastic
+        S = S / S.sum(-1, keepdim=True)
+        S = (S + S.T) / 2
+    v = torch.nn.functional.normalize(torch.randn(d, dtype=torch.float64), dim=0)
+    Q = torch.eye(d, dtype=torch.float64) - 2 * torch.outer(v, v)  # a reflection
+    walk = tl_connwalk.ConnectionWalk.from_pattern(
+        S[None, None], torch.randn(1, n, d, dtype=torch.float64), 2 * Q[None], Q[None]
+    )
+    res = walk.laplacian_residual(baseline_draws=2)
+    for value in (
+        res.stochasticity,
+        res.reversibility,
+        res.transport_defect,
+        res.pairing,
+        res.field_defect,
+    ):
+        assert value is not None
+        torch.testing.assert_close(value, torch.zeros(1, dtype=torch.float64), atol=1e-6, rtol=0)
+    torch.testing.assert_close(res.scale, torch.full((1,), 2.0, dtype=torch.float64))
+
+
+def test_defect_kind_is_checked(walk):
+    with pytest.raises(tl_connwalk.ConnWalkError, match='kind must be "gram" or "frobenius"'):
+        inspect.unwrap(tl_connwalk.residual.isometry_defects)(walk, "nuclear")
+    with pytest.raises(tl_connwalk.ConnWalkError, match="baseline_draws must be >= 2"):
+        walk.laplacian_residual(baseline_draws=1)

@@ -1,0 +1,108 @@
+"""Tables over layers: layer drift and the tidy geometry table of a cache (SPEC 3, 5).
+
+Each function reads one cache and walks its layers with a progress bar; the per-layer work is
+:mod:`tl_connwalk.residual` and the math core.
+"""
+
+import itertools
+from collections.abc import Iterable
+
+import pandas as pd
+import torch
+from jaxtyping import Float
+from torch import Tensor
+from tqdm.auto import tqdm
+from transformer_lens import ActivationCache
+
+from tl_connwalk.cache import connection_walk, n_layers_of
+from tl_connwalk.core import markov
+
+
+def layer_drift(
+    cache: ActivationCache, *, exclude_sink: bool = False
+) -> Float[Tensor, "batch transition"]:
+    """``(1/n) sum_i TV(W^l_i., W^{l+1}_i.)`` for every pair of consecutive layers (SPEC 3).
+
+    ``[batch, n_layers - 1]``; column ``l`` compares layer ``l`` with ``l + 1``. With
+    ``exclude_sink`` the first key is removed and rows renormalised before comparing.
+
+    >>> tl_connwalk.layer_drift(cache)[:, -1]  # doctest: +SKIP
+    """
+    n_layers = n_layers_of(cache)
+    walks = [connection_walk(cache, layer).walk for layer in range(n_layers)]
+    drifts = [
+        markov.layer_drift(before, after, exclude_sink=exclude_sink)
+        for before, after in itertools.pairwise(walks)
+    ]
+    if not drifts:
+        return torch.zeros(walks[0].shape[0], 0, dtype=walks[0].dtype, device=walks[0].device)
+    return torch.stack(drifts, dim=-1)
+
+
+def geometry_table(
+    cache: ActivationCache,
+    layers: Iterable[int] | None = None,
+    *,
+    exclude_sink: bool = False,
+    baseline_draws: int = 8,
+    seed: int = 0,
+    progress: bool = True,
+) -> pd.DataFrame:
+    """One tidy table of a cache's connection-walk geometry, averaged over the batch.
+
+    A row per ``(layer, head)`` with ``head`` a head index or ``"all"`` (the layer's walk);
+    columns: ``stochasticity``, ``reversibility``, ``mu_kind``, ``transport_defect`` (eps of
+    the effective transports), ``scale``, ``pairing`` (NaN for causal walks: not applicable),
+    ``field_defect``, ``head_defect`` (delta of ``T^h``; on ``"all"`` rows the mean over heads),
+    ``drift_to_next`` (layer drift to the next layer), and for each defect its random baseline
+    ``<name>_baseline`` and ``<name>_baseline_std``. Values are batch means.
+
+    >>> table = tl_connwalk.geometry_table(cache)  # doctest: +SKIP
+    >>> table[table.head == "all"][["layer", "transport_defect", "transport_defect_baseline"]]
+    """
+    n_layers = n_layers_of(cache)
+    chosen = list(range(n_layers)) if layers is None else [layer % n_layers for layer in layers]
+    drift = layer_drift(cache, exclude_sink=exclude_sink).mean(0).tolist()
+    rows = []
+    for layer in tqdm(chosen, desc="geometry", disable=not progress):
+        res = connection_walk(cache, layer).laplacian_residual(
+            exclude_sink=exclude_sink, baseline_draws=baseline_draws, seed=seed
+        )
+        base = res.baseline
+        shared = {
+            "layer": layer,
+            "stochasticity": res.stochasticity.mean().item(),
+            "reversibility": res.reversibility.mean().item(),
+            "mu_kind": ",".join(sorted(set(res.mu_kind))),
+            "scale": res.scale.mean().item(),
+            "pairing": float("nan") if res.pairing is None else res.pairing.mean().item(),
+            "drift_to_next": drift[layer] if layer < len(drift) else float("nan"),
+        }
+        rows.append(
+            shared
+            | {
+                "head": "all",
+                "transport_defect": res.transport_defect.mean().item(),
+                "transport_defect_baseline": base["transport_defect"].mean.mean().item(),
+                "transport_defect_baseline_std": base["transport_defect"].std.mean().item(),
+                "field_defect": res.field_defect.mean().item(),
+                "field_defect_baseline": base["field_defect"].mean.mean().item(),
+                "field_defect_baseline_std": base["field_defect"].std.mean().item(),
+                "head_defect": res.head_defects.mean().item(),
+                "head_defect_baseline": base["head_defects"].mean.mean().item(),
+                "head_defect_baseline_std": base["head_defects"].std.mean().item(),
+            }
+        )
+        head_field = res.head_field_defects.mean(0)
+        for head in range(res.head_defects.shape[0]):
+            rows.append(
+                shared
+                | {
+                    "head": head,
+                    "head_defect": res.head_defects[head].item(),
+                    "head_defect_baseline": base["head_defects"].mean[head].item(),
+                    "head_defect_baseline_std": base["head_defects"].std[head].item(),
+                    "field_defect": head_field[head].item(),
+                }
+            )
+    return pd.DataFrame(rows)
