@@ -37,7 +37,7 @@ def required_hooks(model: nn.Module, layers: Iterable[int] | int | None = None) 
     return names
 
 
-def _model_of(cache: ActivationCache, model: nn.Module | None) -> nn.Module:
+def _model_of(cache: object, model: nn.Module | None) -> nn.Module:
     if not isinstance(cache, ActivationCache):
         raise ConnWalkError(
             f"expected a transformer_lens ActivationCache, got {type(cache).__name__}; "
