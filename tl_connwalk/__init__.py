@@ -17,6 +17,7 @@ from tl_connwalk.cache import laplacian_residual as laplacian_residual
 from tl_connwalk.cache import required_hooks as required_hooks
 from tl_connwalk.core.generator import ConnectionGenerator as ConnectionGenerator
 from tl_connwalk.core.walk import EffectiveTransport as EffectiveTransport
+from tl_connwalk.corpus import analyze as analyze
 from tl_connwalk.errors import ConnWalkError as ConnWalkError
 from tl_connwalk.residual import LaplacianResidual as LaplacianResidual
 from tl_connwalk.walk import ConnectionWalk as ConnectionWalk
@@ -29,6 +30,7 @@ __all__ = [
     "ConnectionWalk",
     "EffectiveTransport",
     "LaplacianResidual",
+    "analyze",
     "attach",
     "connection_walk",
     "detach",

@@ -30,6 +30,10 @@ def layer_drift(
     """
     n_layers = n_layers_of(cache)
     walks = [connection_walk(cache, layer).walk for layer in range(n_layers)]
+    return _drifts(walks, exclude_sink)
+
+
+def _drifts(walks: list[Tensor], exclude_sink: bool) -> Tensor:
     drifts = [
         markov.layer_drift(before, after, exclude_sink=exclude_sink)
         for before, after in itertools.pairwise(walks)
@@ -54,20 +58,27 @@ def geometry_table(
     columns: ``stochasticity``, ``reversibility``, ``mu_kind``, ``transport_defect`` (eps of
     the effective transports), ``scale``, ``pairing`` (NaN for causal walks: not applicable),
     ``field_defect``, ``head_defect`` (delta of ``T^h``; on ``"all"`` rows the mean over heads),
-    ``drift_to_next`` (layer drift to the next layer), and for each defect its random baseline
-    ``<name>_baseline`` and ``<name>_baseline_std``. Values are batch means.
+    ``drift_to_next`` (layer drift to the next layer; needs that layer's hooks too), and for
+    each defect its random baseline ``<name>_baseline`` and ``<name>_baseline_std``. Values
+    are batch means.
 
     >>> table = tl_connwalk.geometry_table(cache)  # doctest: +SKIP
     >>> table[table.head == "all"][["layer", "transport_defect", "transport_defect_baseline"]]
     """
     n_layers = n_layers_of(cache)
     chosen = list(range(n_layers)) if layers is None else [layer % n_layers for layer in layers]
-    drift = layer_drift(cache, exclude_sink=exclude_sink).mean(0).tolist()
     rows = []
     for layer in tqdm(chosen, desc="geometry", disable=not progress):
-        res = connection_walk(cache, layer).laplacian_residual(
+        walk = connection_walk(cache, layer)
+        res = walk.laplacian_residual(
             exclude_sink=exclude_sink, baseline_draws=baseline_draws, seed=seed
         )
+        drift = float("nan")
+        if layer + 1 < n_layers:
+            following = connection_walk(cache, layer + 1).walk
+            drift = (
+                markov.layer_drift(walk.walk, following, exclude_sink=exclude_sink).mean().item()
+            )
         base = res.baseline
         shared = {
             "layer": layer,
@@ -76,7 +87,7 @@ def geometry_table(
             "mu_kind": ",".join(sorted(set(res.mu_kind))),
             "scale": res.scale.mean().item(),
             "pairing": float("nan") if res.pairing is None else res.pairing.mean().item(),
-            "drift_to_next": drift[layer] if layer < len(drift) else float("nan"),
+            "drift_to_next": drift,
         }
         rows.append(
             shared

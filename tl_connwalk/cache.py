@@ -55,7 +55,11 @@ def _model_of(cache: object, model: nn.Module | None) -> nn.Module:
 
 def n_layers_of(cache: ActivationCache, model: nn.Module | None = None) -> int:
     """How many attention layers the cache's model has."""
-    model = _model_of(cache, model)
+    return n_layers_of_model(_model_of(cache, model))
+
+
+def n_layers_of_model(model: nn.Module) -> int:
+    """How many attention layers ``model`` has (ConnWalkError for unsupported models)."""
     return adapter_for(model).n_layers(model)
 
 
