@@ -7,7 +7,7 @@ TL ?= transformer-lens==3.9.0
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 
-.PHONY: setup demo test test-tl4 lint
+.PHONY: setup demo test test-tl4 lint docs docs-serve
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,12 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml requirements/dev-constraints.tx
 	touch $@
 
 setup: $(VENV)/.installed
+
+# The documentation site (mkdocs.yml, docs/): the `docs` extra in the same $(VENV), after the
+# CPU torch that setup installs; `mkdocs build --strict` turns every warning into an error.
+$(VENV)/.docs-installed: $(VENV)/.installed
+	$(BIN)/pip install --quiet -e ".[docs]" "$(TL)" -c requirements/dev-constraints.txt
+	touch $@
 
 demo: setup
 	$(BIN)/tl-connwalk demo
@@ -33,3 +39,9 @@ test: lint
 
 test-tl4:
 	$(MAKE) test VENV=.venv-tl4 TL=transformer-lens==4.3.0
+
+docs: $(VENV)/.docs-installed  # NO_MKDOCS_2_WARNING: silence the theme's end-of-life banner
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-serve: $(VENV)/.docs-installed  # local preview at http://127.0.0.1:8000
+	$(BIN)/mkdocs serve

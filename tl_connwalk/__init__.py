@@ -9,9 +9,6 @@
 
 from tl_connwalk.analysis import geometry_table as geometry_table
 from tl_connwalk.analysis import layer_drift as layer_drift
-from tl_connwalk.attach import attach as attach
-from tl_connwalk.attach import detach as detach
-from tl_connwalk.attach import is_attached as is_attached
 from tl_connwalk.cache import connection_walk as connection_walk
 from tl_connwalk.cache import laplacian_residual as laplacian_residual
 from tl_connwalk.cache import required_hooks as required_hooks
@@ -19,6 +16,9 @@ from tl_connwalk.core.generator import ConnectionGenerator as ConnectionGenerato
 from tl_connwalk.core.walk import EffectiveTransport as EffectiveTransport
 from tl_connwalk.corpus import analyze as analyze
 from tl_connwalk.errors import ConnWalkError as ConnWalkError
+from tl_connwalk.plugin import attach as attach
+from tl_connwalk.plugin import detach as detach
+from tl_connwalk.plugin import is_attached as is_attached
 from tl_connwalk.residual import LaplacianResidual as LaplacianResidual
 from tl_connwalk.walk import ConnectionWalk as ConnectionWalk
 

@@ -78,7 +78,7 @@ def connection_walk(
         layer: attention layer index; negative counts from the end.
         model: the model the cache came from; defaults to ``cache.model``.
 
-    Example:
+    Examples:
         >>> _, cache = model.run_with_cache(tokens)  # doctest: +SKIP
         >>> walk = tl_connwalk.connection_walk(cache, 0)  # doctest: +SKIP
         >>> walk.walk.shape  # [batch, query, key]  # doctest: +SKIP

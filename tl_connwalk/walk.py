@@ -39,11 +39,14 @@ class ConnectionWalk:
         walk: ``W`` ``[batch, query, key]``, ``W_ij = (1/H) sum_h A^h_ij``.
         gates: ``g`` ``[batch, head, query, key]``, ``g^h_ij = A^h_ij / sum_h' A^h'_ij``.
         field: ``X`` ``[batch, key, d_model]``, exactly what the value projection read.
-        W_V, W_O, b_V, b_O: the head weights (grouped-query heads already expanded).
+        W_V: ``[head, d_model, d_head]`` value weights (grouped-query heads expanded).
+        W_O: ``[head, d_head, d_model]`` output weights.
+        b_V: ``[head, d_head]`` value biases (zero where the model has none).
+        b_O: ``[d_model]`` output bias.
         layer: the layer index, when the walk came from a model.
         processing: which TransformerLens weight processing the model had (SPEC 2).
 
-    Example:
+    Examples:
         >>> A = torch.softmax(torch.randn(1, 2, 3, 3), -1)
         >>> walk = ConnectionWalk.from_pattern(A, torch.randn(1, 3, 8), torch.randn(2, 8, 4),
         ...                                    torch.randn(2, 4, 8))
@@ -107,6 +110,7 @@ class ConnectionWalk:
 
     @property
     def n_heads(self) -> int:
+        """``H``, the number of (query) heads."""
         return self.gates.shape[1]
 
     @functools.cached_property
