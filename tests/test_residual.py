@@ -92,8 +92,10 @@ def test_symmetric_walk_with_paired_orthogonal_transports_is_a_connection_laplac
     walk = tl_connwalk.ConnectionWalk.from_pattern(
         S[None, None], torch.randn(1, n, d, dtype=torch.float64), 2 * Q[None], Q[None]
     )
-    res = walk.laplacian_residual(baseline_draws=2)
+    res = walk.laplacian_residual(baseline_draws=2, exact=True)
+    assert res.nearest_operator is not None and res.nearest_operator.exact
     for value in (
+        res.nearest_operator.distance,
         res.stochasticity,
         res.reversibility,
         res.transport_defect,
@@ -110,3 +112,16 @@ def test_defect_kind_is_checked(walk):
         inspect.unwrap(tl_connwalk.residual.isometry_defects)(walk, "nuclear")
     with pytest.raises(tl_connwalk.ConnWalkError, match="baseline_draws must be >= 2"):
         walk.laplacian_residual(baseline_draws=1)
+
+
+def test_exact_nearest_operator_is_reported_and_sampled_when_large(walk):
+    exact = walk.laplacian_residual(baseline_draws=2, exact=True)
+    nearest = exact.nearest_operator
+    assert nearest is not None and nearest.exact
+    assert ((nearest.distance > 0) & (nearest.distance < 10)).all()
+    sampled = walk.laplacian_residual(baseline_draws=2, exact=True, max_edges=8, seed=1)
+    assert sampled.nearest_operator is not None and not sampled.nearest_operator.exact
+    assert sampled.nearest_operator.n_sampled == (8, 8)
+    assert "sampled edges" in repr(sampled)
+    json.dumps(sampled.to_dict())
+    assert walk.laplacian_residual(baseline_draws=2).nearest_operator is None

@@ -13,8 +13,9 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from tl_connwalk.core import field_defect, isometry, markov
+from tl_connwalk.core import field_defect, isometry, laplacian, markov
 from tl_connwalk.core.isometry import RandomBaseline
+from tl_connwalk.core.laplacian import NearestOperatorDistance
 from tl_connwalk.errors import ConnWalkError
 
 if TYPE_CHECKING:
@@ -49,6 +50,9 @@ class LaplacianResidual:
         baseline: the same defects for random transports of equal shapes and head Frobenius
             norms (Gaussian factors): ``{"head_defects", "transport_defect", "field_defect"}``.
         exclude_sink: whether key 0 was dropped from the walk-weighted summaries.
+        nearest_operator: with ``exact=True``, ``||P - P*||_F / ||P||_F`` to the nearest
+            random-walk connection operator (SPEC 4) and how it was evaluated (every edge, or a
+            stated sample with its seed); else ``None``.
     """
 
     stochasticity: Float[Tensor, " batch"]
@@ -64,6 +68,7 @@ class LaplacianResidual:
     head_field_defects: Float[Tensor, "batch head"]
     baseline: Mapping[str, RandomBaseline]
     exclude_sink: bool
+    nearest_operator: NearestOperatorDistance | None = None
     layer: int | None = None
     processing: Mapping[str, bool] = dataclasses.field(default_factory=dict)
 
@@ -85,6 +90,9 @@ class LaplacianResidual:
             "field_defect": self.field_defect.tolist(),
             "head_field_defects": self.head_field_defects.tolist(),
             "baseline": {name: base.to_dict() for name, base in self.baseline.items()},
+            "nearest_operator": (
+                None if self.nearest_operator is None else self.nearest_operator.to_dict()
+            ),
         }
 
     def __repr__(self) -> str:
@@ -108,6 +116,9 @@ class LaplacianResidual:
             show("head_defects", self.head_defects, "head_defects"),
             show("field_defect", self.field_defect, "field_defect"),
         ]
+        if self.nearest_operator is not None:
+            how = "exact" if self.nearest_operator.exact else "sampled edges"
+            lines.append(show(f"||P-P*||/||P|| ({how})", self.nearest_operator.distance))
         return "\n".join(lines)
 
 
@@ -119,6 +130,8 @@ def laplacian_residual(
     exclude_sink: bool = False,
     baseline_draws: int = 8,
     seed: int = 0,
+    exact: bool = False,
+    max_edges: int | None = 4096,
 ) -> LaplacianResidual:
     """Measure every condition of SPEC section 2 on one layer's walk (:class:`LaplacianResidual`).
 
@@ -129,7 +142,11 @@ def laplacian_residual(
             distribution of ``alpha W + (1 - alpha) 11^T / n``) or a ``[batch, pos]`` tensor.
         exclude_sink: drop key 0 and renormalise rows in every walk-weighted summary.
         baseline_draws: random transports per baseline (``>= 2``).
-        seed: seed of the random baselines.
+        seed: seed of the random baselines and of the edge sample.
+        exact: also build the nearest random-walk connection operator ``P*`` (SPEC 4) and
+            report ``||P - P*||_F / ||P||_F``; materialises ``d_model x d_model`` maps edge by
+            edge, so on more than ``max_edges`` edges per sequence (``None``: never) it uses a
+            uniform sample of that many edges, and the result says so.
 
     Cost: ``O(H^3 d_head^3)`` per layer for the Gram tensors, ``O(batch n^2 H^4)`` for the
     per-edge defects, times ``1 + baseline_draws``; memory stays at the size of the pattern.
@@ -162,13 +179,19 @@ def laplacian_residual(
         name: isometry.random_baseline(measure, W_V, W_O, baseline_draws, seed=seed)
         for name, measure in measures.items()
     }
+    scale = isometry.common_scale(W, g, W_V, W_O, exclude_sink=exclude_sink)
+    nearest = None
+    if exact:
+        nearest = laplacian.nearest_connection_operator_distance(
+            W, g, W_V, W_O, reversibility.mu, scale, max_edges=max_edges, seed=seed
+        )
     return LaplacianResidual(
         stochasticity=markov.stochasticity_residual(W),
         reversibility=reversibility.residual,
         mu=reversibility.mu,
         mu_kind=reversibility.mu_kind,
         transport_defect=transport_defect(W_V, W_O),
-        scale=isometry.common_scale(W, g, W_V, W_O, exclude_sink=exclude_sink),
+        scale=scale,
         pairing=pairing.residual if bool(pairing.applicable.any()) else None,
         pairing_applicable=pairing.applicable,
         head_defects=isometry.head_transport_defects(W_V, W_O),
@@ -178,6 +201,7 @@ def laplacian_residual(
         ),
         baseline=baseline,
         exclude_sink=exclude_sink,
+        nearest_operator=nearest,
         layer=walk.layer,
         processing=walk.processing,
     )
