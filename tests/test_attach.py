@@ -4,7 +4,7 @@ import hashlib
 
 import pytest
 import torch
-from transformer_lens import ActivationCache
+from transformer_lens import ActivationCache, HookedRootModule
 
 import tl_connwalk
 from tests.architectures import tokens
@@ -82,3 +82,19 @@ def test_attach_refuses_unsupported_models():
         tl_connwalk.ConnWalkError, match="does not support torch.nn.modules.linear.Linear"
     ):
         tl_connwalk.attach(torch.nn.Linear(2, 2))
+
+
+def test_attach_adds_the_conn_hook_points_and_detach_removes_them(gpt2):
+    if not isinstance(gpt2, HookedRootModule):
+        pytest.skip("the conn hook points are HookedTransformer-only so far")
+    tl_connwalk.attach(gpt2)
+    try:
+        name = "blocks.1.attn.hook_conn_walk"
+        assert name in gpt2.hook_dict
+        _, cache = gpt2.run_with_cache(
+            tokens(), names_filter=[name, *tl_connwalk.required_hooks(gpt2, 1)]
+        )
+        assert_close(cache[name], cache.connection_walk(1).walk)
+    finally:
+        tl_connwalk.detach(gpt2)
+    assert not any("hook_conn" in name for name in gpt2.hook_dict)

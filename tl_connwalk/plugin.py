@@ -1,8 +1,10 @@
 """``attach`` and ``detach``: the one place tl_connwalk touches a model or TransformerLens.
 
-``import tl_connwalk`` changes nothing. ``attach(model)`` checks the model is supported and
-registers the cache methods on ``ActivationCache`` (``cache.connection_walk(layer)``), refusing
-to overwrite an attribute it did not create; ``detach(model)`` undoes exactly that. Methods on
+``import tl_connwalk`` changes nothing. ``attach(model)`` checks the model is supported, adds
+the connection-walk hook points to ``HookedTransformer``/``HookedEncoder`` models
+(:mod:`tl_connwalk.hooks`; not yet to ``TransformerBridge``) and registers the cache methods on
+``ActivationCache`` (``cache.connection_walk(layer)``), refusing to overwrite an attribute it
+did not create; ``detach(model)`` undoes exactly that. Methods on
 the class, not a cache subclass, because TransformerLens builds plain ``ActivationCache``
 objects in many places (``apply_slice_to_batch_dim``, ``run_with_cache``) and a subclass would
 lose them. Both are idempotent.
@@ -13,8 +15,9 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
-from transformer_lens import ActivationCache
+from transformer_lens import ActivationCache, HookedRootModule
 
+from tl_connwalk import hooks
 from tl_connwalk.adapters import adapter_for
 from tl_connwalk.analysis import geometry_table, layer_drift
 from tl_connwalk.cache import connection_walk, laplacian_residual
@@ -41,7 +44,7 @@ def _method(function: Callable[..., Any]) -> Callable[..., Any]:
     return method
 
 
-def _register_cache_methods() -> None:
+def _check_cache_methods() -> None:
     for name in CACHE_METHODS:
         existing = getattr(ActivationCache, name, None)
         if existing is not None and not getattr(existing, _MARK, False):
@@ -50,6 +53,9 @@ def _register_cache_methods() -> None:
                 f"plugin, or a newer TransformerLens?); refusing to overwrite it. Call "
                 f"tl_connwalk.{name}(cache, ...) instead."
             )
+
+
+def _register_cache_methods() -> None:
     for name, function in CACHE_METHODS.items():
         setattr(ActivationCache, name, _method(function))
 
@@ -66,22 +72,31 @@ def is_attached(model: nn.Module) -> bool:
 
 
 def attach(model: nn.Module) -> nn.Module:
-    """Enable tl_connwalk on ``model``: ``cache.connection_walk(layer)`` on its caches.
+    """Enable tl_connwalk on ``model``: cache methods and the conn hook points.
 
-    Idempotent; changes no parameter, buffer, output or config. Returns ``model``.
+    ``cache.connection_walk(layer)``, ``cache.laplacian_residual(layer)``,
+    ``cache.layer_drift()``, ``cache.geometry_table()`` on its caches, and on
+    ``HookedTransformer``/``HookedEncoder`` the hook points ``blocks.{l}.attn.hook_conn_walk``,
+    ``hook_conn_gates`` and ``hook_conn_messages`` (:mod:`tl_connwalk.hooks`). Idempotent;
+    changes no parameter, buffer, output or config. Returns ``model``.
 
     >>> tl_connwalk.attach(model)  # doctest: +SKIP
     >>> _, cache = model.run_with_cache(tokens)  # doctest: +SKIP
     >>> cache.connection_walk(0)  # doctest: +SKIP
     """
     adapter_for(model)  # refuse unsupported models before touching anything
+    _check_cache_methods()
+    if isinstance(model, HookedRootModule):
+        hooks.install(model)
     _register_cache_methods()
     _attached.add(model)
     return model
 
 
 def detach(model: nn.Module) -> nn.Module:
-    """Undo :func:`attach`; the cache methods go when the last attached model is detached."""
+    """Undo :func:`attach` exactly; the cache methods go with the last attached model."""
+    if isinstance(model, HookedRootModule):
+        hooks.uninstall(model)
     _attached.discard(model)
     if not _attached:
         _unregister_cache_methods()
