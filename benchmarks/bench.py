@@ -61,6 +61,43 @@ def layer_cost(n_pos: int, repeats: int) -> dict[str, float]:
     return {"tokens": n_pos, "walk_apply_bias_s": t_ours, "forward_s": t_ref, "ratio": ratio}
 
 
+def hook_overhead(n_pos: int, repeats: int) -> dict[str, float]:
+    """Attached forward (no conn hook used) vs plain; caching the conn points vs their inputs."""
+    import warnings
+
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    cfg = HookedTransformerConfig(
+        n_layers=4, d_model=256, n_heads=8, d_head=32, d_mlp=1024, n_ctx=n_pos, d_vocab=1000,
+        act_fn="gelu_new", normalization_type="LN", seed=0,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain, attached = HookedTransformer(cfg), HookedTransformer(cfg)
+    attached.load_state_dict(plain.state_dict())
+    tl_connwalk.attach(attached)
+    tokens = torch.randint(0, 1000, (4, n_pos))
+    points = ("conn_walk", "conn_gates", "conn_messages")
+    conn = [f"blocks.{layer}.attn.hook_{p}" for layer in range(4) for p in points]
+    inputs = [f"blocks.{layer}.attn.hook_{p}" for layer in range(4) for p in ("pattern", "v")]
+
+    def forward(model: torch.nn.Module) -> Callable[[], object]:
+        return lambda: model(tokens)
+
+    def cached(names: list[str]) -> Callable[[], object]:
+        return lambda: attached.run_with_cache(tokens, names_filter=names)
+
+    with torch.no_grad():
+        _, _, idle = interleaved_ratio(forward(attached), forward(plain), repeats)
+        _, _, caching = interleaved_ratio(cached(conn), cached(inputs), repeats)
+    tl_connwalk.detach(attached)
+    return {
+        "tokens": n_pos,
+        "attached_vs_plain_forward": idle,
+        "cache_conn_vs_cache_inputs": caching,
+    }
+
+
 def llama8b_layer(n_pos: int = 2048) -> dict[str, float]:
     """One Llama-3-8B-shaped layer (32 heads, 8 KV heads, d_head 128, d_model 4096) at n_pos."""
     heads, d_head, d_model = 32, 128, 4096
@@ -91,9 +128,13 @@ def main() -> None:
     if args.case == "llama8b":
         print(json.dumps(llama8b_layer()))
         return
+    if args.case == "hooks":
+        print(json.dumps(hook_overhead(256, repeats=15)))
+        return
     results: dict[str, object] = {"threads": args.threads, "torch": torch.__version__}
     sizes = [256, 1024] if args.quick else [256, 1024, 4096]
     results["layer_cost"] = [layer_cost(n, repeats=5 if n < 4096 else 3) for n in sizes]
+    results["hook_overhead"] = hook_overhead(256, repeats=15)
     if not args.quick:
         run = [sys.executable, __file__, "--case", "llama8b", "--threads", str(args.threads)]
         out = subprocess.run(run, capture_output=True, text=True, check=True).stdout
