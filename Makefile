@@ -1,4 +1,4 @@
-# The two quick-start commands: `make demo` (the main job) and `make test`.
+# The two quick-start commands: `make report` (the main job) and `make test`.
 # Each sets up $(VENV) on first use, installing the CPU build of torch before anything that
 # would pull a multi-GB CUDA build. `make test-tl4` runs the suite again on TransformerLens 4.x.
 PYTHON ?= python3
@@ -7,7 +7,7 @@ TL ?= transformer-lens==3.9.0
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 
-.PHONY: setup demo test test-tl4 lint docs docs-serve
+.PHONY: setup report demo test test-tl4 lint docs docs-serve
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ setup: $(VENV)/.installed
 $(VENV)/.docs-installed: $(VENV)/.installed
 	$(BIN)/pip install --quiet -e ".[docs]" "$(TL)" -c requirements/dev-constraints.txt
 	touch $@
+
+report: setup  # the main job: the geometry report of the default model (smollm2-135m)
+	$(BIN)/tl-connwalk report --overwrite
 
 demo: setup
 	$(BIN)/tl-connwalk demo

@@ -98,6 +98,52 @@ def hook_overhead(n_pos: int, repeats: int) -> dict[str, float]:
     }
 
 
+def all_measurements(n_pos: int, baseline_draws: int) -> dict[str, float]:
+    """Every measurement on every layer of a GPT-2-small-shaped random model vs run_with_cache.
+
+    12 layers, d_model 768, 12 heads of 64; batch 1. ``laplacian_residual`` per layer with the
+    given number of baseline draws, plus layer drift. Peak memory: growth of the process peak
+    over the cache, against the size of the cached patterns.
+    """
+    model = random_bridge("gpt2", n_layers=12, d_model=768, n_heads=12, scale=0.02, n_ctx=n_pos)
+    tokens = torch.randint(0, VOCAB - 1, (1, n_pos))
+    names = tl_connwalk.required_hooks(model)
+    with torch.no_grad():
+        start = time.perf_counter()
+        _, cache = model.run_with_cache(tokens, names_filter=names)
+        forward = time.perf_counter() - start
+    patterns = sum(cache[n].numel() * 4 for n in names if n.endswith("hook_pattern"))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    for layer in range(12):
+        tl_connwalk.laplacian_residual(cache, layer, baseline_draws=baseline_draws)
+    tl_connwalk.layer_drift(cache)
+    measure = time.perf_counter() - start
+    peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+    return {"tokens": n_pos, "baseline_draws": baseline_draws, "measure_s": measure,
+            "run_with_cache_s": forward, "ratio": measure / forward,
+            "peak_extra_over_patterns": peak / patterns}  # fmt: skip
+
+
+def llama8b_residual(n_pos: int = 512, baseline_draws: int = 2) -> dict[str, float]:
+    """laplacian_residual of one Llama-3-8B-shaped layer (K4 through H^3 products, all edges)."""
+    heads, d_head, d_model = 32, 128, 4096
+    gen = torch.Generator().manual_seed(0)
+    pattern = torch.rand(1, heads, n_pos, n_pos, generator=gen).tril_()
+    pattern /= pattern.sum(-1, keepdim=True)
+    field = torch.randn(1, n_pos, d_model, generator=gen)
+    W_V = (torch.randn(8, d_model, d_head, generator=gen) / 64).repeat_interleave(4, 0)
+    W_O = torch.randn(heads, d_head, d_model, generator=gen) / 64
+    walk = tl_connwalk.ConnectionWalk.from_pattern(pattern, field, W_V, W_O)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    walk.laplacian_residual(baseline_draws=baseline_draws)
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    return {"tokens": n_pos, "baseline_draws": baseline_draws, "seconds": seconds,
+            "peak_extra_MiB": peak / 1024, "pattern_MiB": pattern.numel() * 4 / 2**20}  # fmt: skip
+
+
 def llama8b_layer(n_pos: int = 2048) -> dict[str, float]:
     """One Llama-3-8B-shaped layer (32 heads, 8 KV heads, d_head 128, d_model 4096) at n_pos."""
     heads, d_head, d_model = 32, 128, 4096
@@ -127,6 +173,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.case == "llama8b":
         print(json.dumps(llama8b_layer()))
+        return
+    if args.case == "gpt2_all":
+        print(json.dumps([all_measurements(n, 2) for n in (256, 1024)]))
+        return
+    if args.case == "llama8b_residual":
+        print(json.dumps(llama8b_residual()))
         return
     if args.case == "hooks":
         print(json.dumps(hook_overhead(256, repeats=15)))

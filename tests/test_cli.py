@@ -1,3 +1,5 @@
+import pytest
+
 from tl_connwalk.cli import main
 
 
@@ -6,3 +8,25 @@ def test_demo_checks_the_identity(capsys):
     out = capsys.readouterr().out
     assert "identity holds" in out
     assert out.count("max |error| / max |output|") == 4
+
+
+def test_report_help_lists_every_option(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["report", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    options = ["--model", "--backend", "--text", "--dataset", "--max-tokens", "--out", "--device",
+               "--dtype", "--layers", "--baseline-draws", "--overwrite"]  # fmt: skip
+    for option in options:
+        assert option in out
+
+
+def test_report_on_a_toy_model(tmp_path, capsys):
+    out = tmp_path / "toy"
+    args = ["report", "--model", "toy-llama", "--max-tokens", "12", "--baseline-draws", "2",
+            "--out", str(out), "--no-progress"]  # fmt: skip
+    assert main(args) == 0
+    assert (out / "index.html").is_file()
+    assert "toy-llama: connection-walk geometry, 12 tokens" in capsys.readouterr().out
+    assert main(args) == 2  # the folder is taken now
+    assert "--overwrite" in capsys.readouterr().err

@@ -5,7 +5,7 @@ Each function reads one cache and walks its layers with a progress bar; the per-
 """
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import pandas as pd
 import torch
@@ -16,6 +16,8 @@ from transformer_lens import ActivationCache
 
 from tl_connwalk.cache import connection_walk, n_layers_of
 from tl_connwalk.core import markov
+from tl_connwalk.errors import ConnWalkError
+from tl_connwalk.residual import LaplacianResidual
 
 
 def layer_drift(
@@ -51,6 +53,7 @@ def geometry_table(
     baseline_draws: int = 8,
     seed: int = 0,
     progress: bool = True,
+    residuals: Mapping[int, LaplacianResidual] | None = None,
 ) -> pd.DataFrame:
     """One tidy table of a cache's connection-walk geometry, averaged over the batch.
 
@@ -60,7 +63,8 @@ def geometry_table(
     ``field_defect``, ``head_defect`` (delta of ``T^h``; on ``"all"`` rows the mean over heads),
     ``drift_to_next`` (layer drift to the next layer; needs that layer's hooks too), and for
     each defect its random baseline ``<name>_baseline`` and ``<name>_baseline_std``. Values
-    are batch means.
+    are batch means. ``residuals`` (layer -> :class:`LaplacianResidual` of this cache, with the
+    same ``exclude_sink``) reuses residuals already computed instead of measuring again.
 
     >>> table = tl_connwalk.geometry_table(cache)  # doctest: +SKIP
     >>> table[table.head == "all"][["layer", "transport_defect", "transport_defect_baseline"]]
@@ -70,9 +74,17 @@ def geometry_table(
     rows = []
     for layer in tqdm(chosen, desc="geometry", disable=not progress):
         walk = connection_walk(cache, layer)
-        res = walk.laplacian_residual(
-            exclude_sink=exclude_sink, baseline_draws=baseline_draws, seed=seed
-        )
+        if residuals is not None and layer in residuals:
+            res = residuals[layer]
+            if res.exclude_sink != exclude_sink:
+                raise ConnWalkError(
+                    f"residuals[{layer}] has exclude_sink={res.exclude_sink}, the table "
+                    f"exclude_sink={exclude_sink}: pass residuals measured the same way."
+                )
+        else:
+            res = walk.laplacian_residual(
+                exclude_sink=exclude_sink, baseline_draws=baseline_draws, seed=seed
+            )
         drift = float("nan")
         if layer + 1 < n_layers:
             following = connection_walk(cache, layer + 1).walk

@@ -39,11 +39,11 @@ def _tokenizer(folder: str) -> None:
 
 
 def _hf_model(
-    arch: Architecture, n_layers: int, d_model: int, n_heads: int
+    arch: Architecture, n_layers: int, d_model: int, n_heads: int, n_ctx: int = 64
 ) -> transformers.PreTrainedModel:
     size: dict[str, Any] = dict(
         num_hidden_layers=n_layers, hidden_size=d_model, num_attention_heads=n_heads,
-        intermediate_size=2 * d_model, max_position_embeddings=64, vocab_size=VOCAB,
+        intermediate_size=2 * d_model, max_position_embeddings=n_ctx, vocab_size=VOCAB,
         bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1, pad_token_id=VOCAB - 1,
     )  # fmt: skip
     if arch == "gpt2":
@@ -69,19 +69,21 @@ def random_bridge(
     seed: int = 0,
     scale: float = 0.2,
     compatibility_mode: bool = False,
+    n_ctx: int = 64,
 ) -> TransformerBridge:
     """A random ``TransformerBridge`` of architecture ``arch`` (vocabulary of 64 tokens).
 
     ``gpt2``: LayerNorm, learned positions, biases. ``llama``: RMSNorm, rotary, grouped-query
     (``n_heads // 2`` KV heads), no biases. ``gemma3``: one KV head, QK-norm, ``ln1_post``,
-    sliding window of 4 on some layers. ``bert``: bidirectional post-norm encoder.
+    sliding window of 4 on some layers. ``bert``: bidirectional post-norm encoder. ``n_ctx``:
+    the longest sequence (learned positions).
     """
     if arch not in get_args(Architecture):
         raise ConnWalkError(
             f"unknown toy architecture {arch!r}; choose one of {get_args(Architecture)}."
         )
     torch.manual_seed(seed)
-    model = _hf_model(arch, n_layers, d_model, n_heads)
+    model = _hf_model(arch, n_layers, d_model, n_heads, n_ctx)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -1,0 +1,225 @@
+"""The report's measurements: one forward pass, then every layer's walk, residuals and identity.
+
+Per analysed layer: the identity check ``max|apply() + bias() - attention output| /
+max|output|`` (SPEC 1.2), :func:`~tl_connwalk.residual.laplacian_residual` with the sink kept and
+with it excluded (SPEC 3-4), and the walk matrix of the heatmap layers; over all layers the
+layer drift (SPEC 3). :func:`summary_frame` folds the residuals into one row per layer, the table
+the terminal, the figures and the HTML page show.
+"""
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+from transformer_lens import ActivationCache
+
+from tl_connwalk.analysis import layer_drift
+from tl_connwalk.cache import connection_walk, required_hooks
+from tl_connwalk.residual import LaplacianResidual
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerMeasurement:
+    """One layer of the report: its processing, identity error and both laplacian residuals."""
+
+    layer: int
+    processing: dict[str, bool]
+    identity_error: float
+    with_sink: LaplacianResidual
+    without_sink: LaplacianResidual
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "layer": self.layer,
+            "processing": dict(self.processing),
+            "identity_error": self.identity_error,
+            "laplacian_residual": {
+                "with_sink": self.with_sink.to_dict(),
+                "without_sink": self.without_sink.to_dict(),
+            },
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurements:
+    """Everything computed from one cache (numpy arrays are batch element 0 or batch means)."""
+
+    layers: list[LayerMeasurement]
+    walks: dict[int, np.ndarray]
+    drift: dict[str, np.ndarray]
+
+
+def _is_bridge(model: nn.Module) -> bool:
+    return type(model).__name__ == "TransformerBridge"
+
+
+def _has_ln1_post(model: nn.Module) -> bool:
+    return bool(getattr(model.cfg, "use_normalization_before_and_after", False))
+
+
+def output_hook(model: nn.Module, layer: int) -> str | None:
+    """The hook holding layer ``layer``'s attention output, ``None`` where none does.
+
+    ``blocks.{l}.attn.o.hook_out`` on the Bridge; ``blocks.{l}.hook_attn_out`` on
+    ``HookedTransformer``/``HookedEncoder`` unless the model normalises after attention
+    (``ln1_post``), where the output is captured from the attention module instead.
+    """
+    if _is_bridge(model):
+        return f"blocks.{layer}.attn.o.hook_out"
+    return None if _has_ln1_post(model) else f"blocks.{layer}.hook_attn_out"
+
+
+@contextlib.contextmanager
+def _module_outputs(model: nn.Module, layers: Sequence[int]) -> Iterator[dict[int, Tensor]]:
+    # the attention module's own output, before ln1_post (no hook point holds it)
+    outputs: dict[int, Tensor] = {}
+    handles = []
+    if not _is_bridge(model) and _has_ln1_post(model):
+        for layer in layers:
+            attn = model.blocks[layer].attn  # type: ignore[index, union-attr]
+            handles.append(
+                attn.register_forward_hook(
+                    lambda _m, _a, out, layer=layer: outputs.__setitem__(layer, out.detach())
+                )
+            )
+    try:
+        yield outputs
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def run_cache(
+    model: nn.Module, tokens: Tensor, layers: Sequence[int]
+) -> tuple[ActivationCache, dict[int, Tensor]]:
+    """One forward pass keeping only the walks' hooks and the attention outputs of ``layers``."""
+    names = list(required_hooks(model))
+    names += [hook for layer in layers if (hook := output_hook(model, layer)) is not None]
+    with torch.no_grad(), _module_outputs(model, layers) as captured:
+        _, cache = model.run_with_cache(tokens, names_filter=names)  # type: ignore[operator]
+    outputs = {}
+    for layer in layers:
+        hook = output_hook(model, layer)
+        outputs[layer] = cache[hook] if hook is not None else captured[layer]
+    return cache, outputs
+
+
+def identity_error(rebuilt: Tensor, reference: Tensor) -> float:
+    """``max|rebuilt - reference| / max|reference|`` in float64 (0 for a zero output)."""
+    rebuilt, reference = rebuilt.double(), reference.double()
+    scale = reference.abs().max().item()
+    error = (rebuilt - reference).abs().max().item()
+    return error / scale if scale > 0 else error
+
+
+def measure(
+    cache: ActivationCache,
+    outputs: dict[int, Tensor],
+    layers: Sequence[int],
+    heatmap_layers: Sequence[int],
+    *,
+    baseline_draws: int,
+    seed: int,
+    progress: bool = True,
+) -> Measurements:
+    """Identity errors, both laplacian residuals and heatmap walks for ``layers``."""
+    records: list[LayerMeasurement] = []
+    walks: dict[int, np.ndarray] = {}
+    for layer in tqdm(layers, desc="residuals", disable=not progress):
+        walk = connection_walk(cache, layer)
+        options = {"baseline_draws": baseline_draws, "seed": seed}
+        records.append(
+            LayerMeasurement(
+                layer=layer,
+                processing=dict(walk.processing),
+                identity_error=identity_error(walk.apply() + walk.bias(), outputs[layer]),
+                with_sink=walk.laplacian_residual(exclude_sink=False, **options),
+                without_sink=walk.laplacian_residual(exclude_sink=True, **options),
+            )
+        )
+        if layer in heatmap_layers:
+            walks[layer] = walk.walk[0].float().cpu().numpy()
+    drift = {
+        "with_sink": layer_drift(cache, exclude_sink=False).mean(0).cpu().numpy(),
+        "without_sink": layer_drift(cache, exclude_sink=True).mean(0).cpu().numpy(),
+    }
+    return Measurements(records, walks, drift)
+
+
+def _mean(value: Tensor | None) -> float:
+    return math.nan if value is None else float(value.float().mean())
+
+
+def _defects(res: LaplacianResidual, name: str, value: Tensor, suffix: str) -> dict[str, float]:
+    base = res.baseline[name]
+    column = {"head_defects": "head_defect"}.get(name, name) + suffix
+    return {
+        column: _mean(value),
+        f"{column}_baseline": _mean(base.mean),
+        f"{column}_baseline_std": _mean(base.std),
+    }
+
+
+def summary_frame(measurements: Measurements) -> pd.DataFrame:
+    """One row per analysed layer (batch means); ``*_nosink`` columns exclude key 0.
+
+    Columns: ``layer``, ``identity_error``, ``stochasticity``, ``reversibility``, ``mu``,
+    ``pairing`` (NaN: not applicable), ``head_defect`` (mean over heads; ``_min``, ``_max``),
+    ``transport_defect``, ``field_defect``, ``scale``, ``drift_to_next``, each defect with
+    ``_baseline`` and ``_baseline_std``, and the walk-weighted ones again as ``*_nosink``.
+    """
+    n_transitions = len(measurements.drift["with_sink"])
+    rows = []
+    for record in measurements.layers:
+        r0, r1 = record.with_sink, record.without_sink
+        has_next = record.layer < n_transitions
+        row: dict[str, Any] = {
+            "layer": record.layer,
+            "identity_error": record.identity_error,
+            "stochasticity": _mean(r0.stochasticity),
+            "reversibility": _mean(r0.reversibility),
+            "mu": ",".join(sorted(set(r0.mu_kind))),
+            "pairing": _mean(r0.pairing),
+            "pairing_nosink": _mean(r1.pairing),
+            "head_defect_min": float(r0.head_defects.min()),
+            "head_defect_max": float(r0.head_defects.max()),
+            "scale": _mean(r0.scale),
+            "scale_nosink": _mean(r1.scale),
+            "drift_to_next": (
+                float(measurements.drift["with_sink"][record.layer]) if has_next else math.nan
+            ),
+            "drift_to_next_nosink": (
+                float(measurements.drift["without_sink"][record.layer]) if has_next else math.nan
+            ),
+        }
+        row |= _defects(r0, "head_defects", r0.head_defects, "")
+        for res, suffix in ((r0, ""), (r1, "_nosink")):
+            row |= _defects(res, "transport_defect", res.transport_defect, suffix)
+            row |= _defects(res, "field_defect", res.field_defect, suffix)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def head_frame(measurements: Measurements) -> pd.DataFrame:
+    """One row per ``(layer, head)``: ``head_defect`` and its random baseline mean and std."""
+    rows = []
+    for record in measurements.layers:
+        base = record.with_sink.baseline["head_defects"]
+        for head, value in enumerate(record.with_sink.head_defects.tolist()):
+            rows.append(
+                {
+                    "layer": record.layer,
+                    "head": head,
+                    "head_defect": value,
+                    "head_defect_baseline": float(base.mean[head]),
+                    "head_defect_baseline_std": float(base.std[head]),
+                }
+            )
+    return pd.DataFrame(rows)
