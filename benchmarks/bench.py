@@ -125,8 +125,11 @@ def all_measurements(n_pos: int, baseline_draws: int) -> dict[str, float]:
             "peak_extra_over_patterns": peak / patterns}  # fmt: skip
 
 
-def llama8b_residual(n_pos: int = 512, baseline_draws: int = 2) -> dict[str, float]:
-    """laplacian_residual of one Llama-3-8B-shaped layer (K4 through H^3 products, all edges)."""
+def llama8b_operands(n_pos: int) -> tuple[torch.Tensor, ...]:
+    """Pattern, field, W_V, W_O of a Llama-3-8B-shaped layer (32 heads, 8 KV heads, d_head 128).
+
+    Built in place, so that setting up does not raise the peak above the inputs themselves.
+    """
     heads, d_head, d_model = 32, 128, 4096
     gen = torch.Generator().manual_seed(0)
     pattern = torch.rand(1, heads, n_pos, n_pos, generator=gen).tril_()
@@ -134,6 +137,12 @@ def llama8b_residual(n_pos: int = 512, baseline_draws: int = 2) -> dict[str, flo
     field = torch.randn(1, n_pos, d_model, generator=gen)
     W_V = (torch.randn(8, d_model, d_head, generator=gen) / 64).repeat_interleave(4, 0)
     W_O = torch.randn(heads, d_head, d_model, generator=gen) / 64
+    return pattern, field, W_V, W_O
+
+
+def llama8b_residual(n_pos: int = 512, baseline_draws: int = 2) -> dict[str, float]:
+    """laplacian_residual of one Llama-3-8B-shaped layer (K4 through H^3 products, all edges)."""
+    pattern, field, W_V, W_O = llama8b_operands(n_pos)
     walk = tl_connwalk.ConnectionWalk.from_pattern(pattern, field, W_V, W_O)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
@@ -146,14 +155,7 @@ def llama8b_residual(n_pos: int = 512, baseline_draws: int = 2) -> dict[str, flo
 
 def llama8b_layer(n_pos: int = 2048) -> dict[str, float]:
     """One Llama-3-8B-shaped layer (32 heads, 8 KV heads, d_head 128, d_model 4096) at n_pos."""
-    heads, d_head, d_model = 32, 128, 4096
-    gen = torch.Generator().manual_seed(0)
-    # built in place, so that setting up does not raise the peak above the inputs themselves
-    pattern = torch.rand(1, heads, n_pos, n_pos, generator=gen).tril_()
-    pattern /= pattern.sum(-1, keepdim=True)
-    field = torch.randn(1, n_pos, d_model, generator=gen)
-    W_V = (torch.randn(8, d_model, d_head, generator=gen) / 64).repeat_interleave(4, 0)
-    W_O = torch.randn(heads, d_head, d_model, generator=gen) / 64
+    pattern, field, W_V, W_O = llama8b_operands(n_pos)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
     walk = tl_connwalk.ConnectionWalk.from_pattern(pattern, field, W_V, W_O)
