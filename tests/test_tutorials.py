@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.architectures import hooked_only
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 jupytext = pytest.importorskip("jupytext")
@@ -34,6 +36,7 @@ def test_notebook_in_sync_with_source(path: Path) -> None:
 
 
 @pytest.mark.slow
+@hooked_only  # the notebooks use HookedTransformer zoo models and its conn hook points
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MPLBACKEND", "Agg")

@@ -132,7 +132,7 @@ def _hooked_class(class_name: str) -> Any:
         raise ConnWalkError(
             f"backend='hooked' needs TransformerLens 3.x ({class_name}); TransformerLens "
             f"{getattr(transformer_lens, '__version__', '4.x')} has none. Install "
-            "transformer-lens<4, or wait for backend='bridge' (issue 5)."
+            "transformer-lens<4, or load it with backend='bridge'."
         )
     return cls
 
