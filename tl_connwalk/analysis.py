@@ -18,6 +18,7 @@ from tl_connwalk.cache import connection_walk, n_layers_of
 from tl_connwalk.core import markov
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.residual import LaplacianResidual
+from tl_connwalk.walk import ConnectionWalk
 
 
 def layer_drift(
@@ -72,8 +73,17 @@ def geometry_table(
     n_layers = n_layers_of(cache)
     chosen = list(range(n_layers)) if layers is None else [layer % n_layers for layer in layers]
     rows = []
+    walks: dict[int, ConnectionWalk] = {}
+
+    def walk_of(layer: int) -> ConnectionWalk:
+        # consecutive layers share walks (drift to the next); build each one once
+        if layer not in walks:
+            walks[layer] = connection_walk(cache, layer)
+        return walks[layer]
+
     for layer in tqdm(chosen, desc="geometry", disable=not progress):
-        walk = connection_walk(cache, layer)
+        walk = walk_of(layer)
+        walks.pop(layer - 1, None)  # no longer needed: keep memory at two layers
         if residuals is not None and layer in residuals:
             res = residuals[layer]
             if res.exclude_sink != exclude_sink:
@@ -87,7 +97,7 @@ def geometry_table(
             )
         drift = float("nan")
         if layer + 1 < n_layers:
-            following = connection_walk(cache, layer + 1).walk
+            following = walk_of(layer + 1).walk
             drift = (
                 markov.layer_drift(walk.walk, following, exclude_sink=exclude_sink).mean().item()
             )
