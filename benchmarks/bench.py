@@ -166,6 +166,36 @@ def llama8b_layer(n_pos: int = 2048) -> dict[str, float]:
             "pattern_MiB": pattern.numel() * 4 / 2**20}  # fmt: skip
 
 
+def analyze_throughput(
+    n_pos: int = 256, batch: int = 4, n_batches: int = 4, baseline_draws: int = 8, repeats: int = 3
+) -> dict[str, float]:
+    """``analyze`` over ``n_batches`` batches vs ``run_with_cache`` of the same batches.
+
+    Random 4-layer Llama-style ``TransformerBridge`` (d_model 256, 8 heads, 4 KV heads); the
+    reference keeps the same hooks (``names_filter=required_hooks(model)``), so the ratio is
+    what measuring every layer costs on top of the forward passes analyze makes anyway.
+    """
+    model = random_bridge("llama", n_layers=4, d_model=256, n_heads=8, n_ctx=n_pos)
+    tokens = torch.randint(0, VOCAB - 1, (batch * n_batches, n_pos))
+    names = tl_connwalk.required_hooks(model)
+
+    def ours() -> None:
+        tl_connwalk.analyze(
+            model, tokens, batch_size=batch, baseline_draws=baseline_draws, progress=False
+        )
+
+    def forward() -> None:
+        with torch.no_grad():
+            for part in tokens.split(batch):
+                model.run_with_cache(part, names_filter=names)
+
+    t_ours, t_ref, ratio = interleaved_ratio(ours, forward, repeats)
+    n_tokens = tokens.numel()
+    return {"tokens_per_batch": batch * n_pos, "batches": n_batches,
+            "baseline_draws": baseline_draws, "analyze_tokens_per_s": n_tokens / t_ours,
+            "forward_tokens_per_s": n_tokens / t_ref, "ratio": ratio}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -185,10 +215,14 @@ def main() -> None:
     if args.case == "hooks":
         print(json.dumps(hook_overhead(256, repeats=15)))
         return
+    if args.case == "analyze":
+        print(json.dumps(analyze_throughput()))
+        return
     results: dict[str, object] = {"threads": args.threads, "torch": torch.__version__}
     sizes = [256, 1024] if args.quick else [256, 1024, 4096]
     results["layer_cost"] = [layer_cost(n, repeats=5 if n < 4096 else 3) for n in sizes]
     results["hook_overhead"] = hook_overhead(256, repeats=15)
+    results["analyze"] = analyze_throughput(repeats=1 if args.quick else 3)
     if not args.quick:
         run = [sys.executable, __file__, "--case", "llama8b", "--threads", str(args.threads)]
         out = subprocess.run(run, capture_output=True, text=True, check=True).stdout

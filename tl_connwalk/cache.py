@@ -1,7 +1,7 @@
 """Connection walks from TransformerLens ``ActivationCache`` objects.
 
 Free functions that take the cache first, in the family of ``ActivationCache``'s own analysis
-methods; :func:`tl_connwalk.attach` also registers them as cache methods
+methods; `tl_connwalk.attach` also registers them as cache methods
 (``cache.connection_walk(layer)``). Free functions keep working on every cache, including the
 plain ``ActivationCache`` objects TransformerLens builds internally (``apply_slice_to_batch_dim``).
 """
@@ -9,10 +9,11 @@ plain ``ActivationCache`` objects TransformerLens builds internally (``apply_sli
 from collections.abc import Iterable
 from typing import Any, cast
 
-from torch import nn
+from torch import Tensor, nn
 from transformer_lens import ActivationCache
 
 from tl_connwalk.adapters import adapter_for, resolve_layer
+from tl_connwalk.adapters.checks import check_layer_devices
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.residual import LaplacianResidual
 from tl_connwalk.walk import ConnectionWalk
@@ -70,11 +71,14 @@ def connection_walk(
 
     ``walk.apply() + walk.bias()`` equals the layer's attention output (``hook_attn_out``,
     or the attention module's output in models with ``ln1_post``). Results are float32 or
-    wider whatever the cache dtype, on the cache's device. A cache made with
-    ``remove_batch_dim=True`` gives a walk with a batch of one.
+    wider whatever the cache dtype, on the device of the layer's cache entries (in a model
+    split over devices, the layer's own device; the layer's weights are copied there if they
+    live elsewhere, e.g. after ``cache.to("cpu")``). A ConnWalkError names the tensors when
+    the layer's cache entries are on different devices, or its weights are offloaded (``meta``).
+    A cache made with ``remove_batch_dim=True`` gives a walk with a batch of one.
 
     Args:
-        cache: from ``model.run_with_cache``; must hold :func:`required_hooks` for the layer.
+        cache: from ``model.run_with_cache``; must hold `required_hooks` for the layer.
         layer: attention layer index; negative counts from the end.
         model: the model the cache came from; defaults to ``cache.model``.
 
@@ -95,7 +99,20 @@ def connection_walk(
             f"    model.run_with_cache(tokens, names_filter={needed!r})\n"
             "or names_filter=tl_connwalk.required_hooks(model) for every layer."
         )
+    check_layer_devices(
+        layer, {name: cache.cache_dict[name] for name in needed}, _attention_weights(model, layer)
+    )
     return adapter.walk_from_cache(cache, model, layer)
+
+
+def _attention_weights(model: nn.Module, layer: int) -> list[tuple[str, Tensor]]:
+    """``(name, parameter)`` of layer ``layer``'s attention module, read without materialising."""
+    blocks = getattr(model, "blocks", None)
+    attention = getattr(blocks[layer], "attn", None) if blocks is not None else None
+    if not isinstance(attention, nn.Module):
+        return []
+    prefix = f"blocks.{layer}.attn."
+    return [(prefix + name, param) for name, param in attention.named_parameters()]
 
 
 def laplacian_residual(

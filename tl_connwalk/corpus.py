@@ -2,11 +2,14 @@
 
 Texts are tokenized, concatenated and cut into windows of ``seq_len`` tokens (each starting
 with the tokenizer's BOS token when it has one), the way corpus statistics are usually taken;
-token tensors are used as given. Each batch runs through the model keeping only the hooks the
-walks need (``names_filter``), its :func:`~tl_connwalk.analysis.geometry_table` is folded into
-running sums, and the cache is dropped: memory stays at one batch.
+token tensors are checked (integer ids, at least 2 positions, inside the vocabulary) and used
+as given. Each batch runs through the model keeping only the hooks the walks need
+(``names_filter``), its `tl_connwalk.geometry_table` is folded into running moments (count,
+mean, M2: `tl_connwalk.core.moments`), and the cache is dropped: memory stays at one batch.
+Under ``torchrun`` the batches are shared out between processes (`tl_connwalk.distributed`).
 """
 
+import dataclasses
 import itertools
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -16,8 +19,11 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from tl_connwalk.adapters import adapter_for, resolve_layer
 from tl_connwalk.analysis import geometry_table
 from tl_connwalk.cache import n_layers_of_model, required_hooks
+from tl_connwalk.core.moments import Moments
+from tl_connwalk.distributed import rank_and_world, reduce_to_rank0
 from tl_connwalk.errors import ConnWalkError
 
 #: Columns that identify a row rather than measure something.
@@ -35,7 +41,9 @@ def token_windows(model: nn.Module, texts: Iterable[str], seq_len: int) -> Itera
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     body = seq_len - len(bos)
     if body < 1:
-        raise ConnWalkError(f"seq_len={seq_len} leaves no room for text after the BOS token.")
+        raise ConnWalkError(
+            f"seq_len={seq_len} leaves no room for text after the BOS token: use seq_len >= 2."
+        )
     buffer: list[int] = []
     for text in texts:
         buffer += tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -44,18 +52,57 @@ def token_windows(model: nn.Module, texts: Iterable[str], seq_len: int) -> Itera
             buffer = buffer[body:]
 
 
+def check_tokens(tokens: Tensor, d_vocab: int | None = None) -> Tensor:
+    """``tokens`` checked to be integer ids ``[batch, pos]`` with ``pos >= 2``, as int64.
+
+    A sequence of one token has a single edge (the token to itself): its walk is the 1 x 1
+    identity, every defect is the sink's alone and with ``exclude_sink`` there is no edge at
+    all, so corpus statistics over it would be noise; ``analyze`` refuses it.
+    ``connection_walk`` itself accepts such caches.
+    """
+    shape = tuple(tokens.shape)
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise ConnWalkError(
+            f"token tensors must be integer [batch, pos], got {tokens.dtype} {shape}: analyze() "
+            "takes token ids (e.g. model.to_tokens(texts)); ids stored as floats: pass "
+            "tokens.long()."
+        )
+    if tokens.ndim != 2:
+        hint = " (one sequence: pass tokens[None])" if tokens.ndim == 1 else ""
+        raise ConnWalkError(
+            f"token tensors must be integer [batch, pos], got {tokens.dtype} {shape}{hint}."
+        )
+    if shape[0] == 0 or shape[1] == 0:
+        raise ConnWalkError(
+            f"got an empty token tensor {shape} [batch, pos]: pass at least one sequence of at "
+            "least 2 tokens."
+        )
+    if shape[1] < 2:
+        raise ConnWalkError(
+            f"token sequences have length 1 {shape}: a single token's walk is the 1 x 1 "
+            "identity, with nothing to measure; pass sequences of at least 2 tokens."
+        )
+    if d_vocab is not None and (int(tokens.min()) < 0 or int(tokens.max()) >= d_vocab):
+        raise ConnWalkError(
+            f"token ids range over [{int(tokens.min())}, {int(tokens.max())}] but the model's "
+            f"vocabulary is 0..{d_vocab - 1}: were these tokens made by another tokenizer?"
+        )
+    return tokens.long()
+
+
 def _batches(model: nn.Module, data: Any, batch_size: int, seq_len: int) -> Iterator[Tensor]:
     if isinstance(data, Tensor):
-        if data.ndim != 2 or data.dtype not in (torch.int64, torch.int32):
-            raise ConnWalkError(
-                f"token tensors must be integer [batch, pos], got {data.dtype} {tuple(data.shape)}."
-            )
-        yield from data.split(batch_size)
+        d_vocab = getattr(getattr(model, "cfg", None), "d_vocab", None)
+        yield from check_tokens(data, d_vocab if isinstance(d_vocab, int) else None).split(
+            batch_size
+        )
         return
     if hasattr(data, "column_names"):  # a datasets.Dataset: its "text" column
         if "text" not in data.column_names:
             raise ConnWalkError(f"the dataset has no 'text' column: {data.column_names}.")
         data = (row["text"] for row in data)
+    if isinstance(data, str):
+        data = [data]
     items = iter(data)
     first = next(items, None)
     if first is None:
@@ -75,6 +122,56 @@ def _batches(model: nn.Module, data: Any, batch_size: int, seq_len: int) -> Iter
         yield torch.stack(batch)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Summary:
+    """The running summary of the tables seen so far: their labels and per-cell moments."""
+
+    labels: pd.DataFrame  # KEYS and text columns (mu_kind), one row per table row
+    columns: list[str]  # the measured columns of ``moments``, in order
+    moments: Moments  # [row, column]
+
+    @classmethod
+    def of(cls, table: pd.DataFrame, weight: int) -> "_Summary":
+        numbers = table.select_dtypes("number").drop(columns=["layer"])
+        values = torch.tensor(numbers.to_numpy(dtype="float64"))
+        labels = table.drop(columns=numbers.columns)
+        return cls(labels, list(numbers.columns), Moments.of(values, weight))
+
+    def merge(self, other: "_Summary") -> "_Summary":
+        labels = self.labels.copy()
+        for column in labels.columns:
+            if column in KEYS:
+                continue
+            labels[column] = [
+                ",".join(sorted({*a.split(","), *b.split(",")}))
+                if isinstance(a, str) and isinstance(b, str)
+                else a
+                for a, b in zip(labels[column], other.labels[column], strict=True)
+            ]
+        return _Summary(labels, self.columns, self.moments.merge(other.moments))
+
+
+def _merge(parts: list[_Summary]) -> _Summary:
+    total = parts[0]
+    for part in parts[1:]:
+        total = total.merge(part)
+    return total
+
+
+def _input_device(model: nn.Module) -> torch.device | None:
+    """Where the token ids go: the embedding's device (None: leave them; meta = offloaded).
+
+    Read off the embedding module's parameters, not ``cfg.device``: in a model split over
+    devices the embedding sits on the first one.
+    """
+    embed = getattr(model, "embed", None)
+    source = embed if isinstance(embed, nn.Module) else model
+    weight = next(source.parameters(), None)
+    if weight is None or weight.is_meta:
+        return None  # accelerate's hooks move inputs of offloaded modules themselves
+    return weight.device
+
+
 def analyze(
     model: Any,
     data: Any,
@@ -87,56 +184,79 @@ def analyze(
     baseline_draws: int = 8,
     seed: int = 0,
     progress: bool = True,
+    distributed: bool | None = None,
 ) -> pd.DataFrame:
-    """The :func:`~tl_connwalk.analysis.geometry_table` of a corpus, aggregated over batches.
+    """The `tl_connwalk.geometry_table` of a corpus, aggregated over batches.
 
     Args:
-        model: a supported TransformerLens model.
+        model: a supported TransformerLens model, on one device or split over several
+            (``n_devices``, ``device_map``): each layer is measured on its own device.
         data: an iterable of strings, a ``datasets.Dataset`` with a ``"text"`` column, an
-            integer token tensor ``[n, pos]``, or an iterable of such tensors.
+            integer token tensor ``[n, pos]`` (``pos >= 2``), or an iterable of such tensors.
         batch_size, seq_len: sequences per forward pass, and tokens per window for texts.
         layers: the layers to measure (default all).
-        max_batches: stop after this many batches.
+        max_batches: stop after this many batches (counted over all ranks).
+        distributed: data parallel over a ``torch.distributed`` process group (``torchrun``,
+            one process per device): rank ``r`` of ``W`` takes batches ``r, r + W, ...``, and
+            the summaries are merged on rank 0 and broadcast, so every rank returns the table
+            a single process would (up to float64 rounding). Every rank must pass the same
+            ``data``. Default: when a process group is initialised. See
+            `tl_connwalk.distributed`.
 
     Returns the table's columns as means over every sequence seen (each batch weighted by its
     size: one batch gives exactly ``geometry_table``'s numbers), plus ``n_sequences`` and, for
-    each measurement, ``<name>_batch_std``, its spread over batches.
+    each measurement, ``<name>_batch_std``, its spread over batches (weighted population
+    standard deviation). Means and spreads are running float64 moments merged with Chan's
+    parallel algorithm (`tl_connwalk.core.moments`); ``mu_kind`` lists every kind seen.
 
     >>> table = tl_connwalk.analyze(model, texts, seq_len=64)  # doctest: +SKIP
     """
+    for name, value, least in (("batch_size", batch_size, 1), ("seq_len", seq_len, 2)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConnWalkError(f"{name} must be an int >= {least}, got {value!r}.")
+    if max_batches is not None and (not isinstance(max_batches, int) or max_batches < 1):
+        raise ConnWalkError(f"max_batches must be None or an int >= 1, got {max_batches!r}.")
+    rank, world = rank_and_world(distributed)
     n_layers = n_layers_of_model(model)
-    chosen = sorted({layer % n_layers for layer in (range(n_layers) if layers is None else layers)})
+    adapter = adapter_for(model)
+    chosen = sorted(
+        {
+            resolve_layer(adapter, model, layer)
+            for layer in (range(n_layers) if layers is None else layers)
+        }
+    )
     hooked = sorted({*chosen, *(layer + 1 for layer in chosen if layer + 1 < n_layers)})
     names = required_hooks(model, hooked)
-    device = next(model.parameters()).device
-    sums: pd.DataFrame | None = None
-    squares: pd.DataFrame | None = None
-    labels: pd.DataFrame | None = None
-    seen = 0
+    device = _input_device(model)
+    summary: _Summary | None = None
+    batches = _batches(model, data, batch_size, seq_len)
     for index, tokens in enumerate(
-        tqdm(_batches(model, data, batch_size, seq_len), desc="analyze", disable=not progress)
+        tqdm(batches, desc="analyze", disable=not progress or rank != 0)
     ):
         if max_batches is not None and index >= max_batches:
             break
+        if index % world != rank:
+            continue
         with torch.no_grad():
-            _, cache = model.run_with_cache(tokens.to(device), names_filter=names)
+            _, cache = model.run_with_cache(
+                tokens if device is None else tokens.to(device), names_filter=names
+            )
         table = geometry_table(
             cache, chosen, exclude_sink=exclude_sink, baseline_draws=baseline_draws,
             seed=seed, progress=False,
         )  # fmt: skip
         del cache
-        numbers = table.select_dtypes("number").drop(columns=["layer"])
-        weight = tokens.shape[0]
-        sums = numbers * weight if sums is None else sums + numbers * weight
-        squares = numbers**2 * weight if squares is None else squares + numbers**2 * weight
-        labels = table.drop(columns=numbers.columns)
-        seen += weight
-    if sums is None or squares is None or labels is None:
+        part = _Summary.of(table, tokens.shape[0])
+        summary = part if summary is None else summary.merge(part)
+    summary = reduce_to_rank0(summary, _merge, world)
+    if summary is None:
         raise ConnWalkError(
             "analyze() got no complete sequence: the texts are shorter than seq_len."
         )
-    means = sums / seen
-    spread = (squares / seen - means**2).clip(lower=0) ** 0.5
-    result = pd.concat([labels, means, spread.add_suffix("_batch_std")], axis=1)
-    result["n_sequences"] = seen
+    moments = summary.moments
+    rows = summary.labels.index
+    means = pd.DataFrame(moments.mean.numpy(), columns=summary.columns, index=rows)
+    spread = pd.DataFrame(moments.std.numpy(), columns=summary.columns, index=rows)
+    result = pd.concat([summary.labels, means, spread.add_suffix("_batch_std")], axis=1)
+    result["n_sequences"] = int(moments.count)
     return result

@@ -1,0 +1,49 @@
+"""Chan's merge of running moments against numpy's weighted mean and variance of all the data."""
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tl_connwalk.core.moments import Moments
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    weights=st.lists(st.integers(1, 9), min_size=1, max_size=12),
+    cut=st.integers(0, 12),
+    seed=st.integers(0, 2**16),
+)
+def test_any_grouping_gives_the_weighted_moments_of_all(weights, cut, seed):
+    rng = np.random.default_rng(seed)
+    values = rng.normal(size=(len(weights), 3, 2)) * rng.uniform(0.1, 100.0)
+    w = np.asarray(weights, dtype=float)
+    parts = [Moments.of(torch.tensor(v), weight) for v, weight in zip(values, weights, strict=True)]
+    # sequential (one process) and two groups merged at the end (two ranks)
+    sequential = parts[0]
+    for part in parts[1:]:
+        sequential = sequential.merge(part)
+    cut = min(cut, len(parts) - 1) or 1
+    grouped = parts[0]
+    for part in parts[1:cut]:
+        grouped = grouped.merge(part)
+    if cut < len(parts):
+        rest = parts[cut]
+        for part in parts[cut + 1 :]:
+            rest = rest.merge(part)
+        grouped = grouped.merge(rest)
+    mean = np.average(values, axis=0, weights=w)
+    std = np.sqrt(np.average((values - mean) ** 2, axis=0, weights=w))
+    scale = np.abs(values).max()
+    for summary in (sequential, grouped):
+        assert summary.count == w.sum()
+        np.testing.assert_allclose(summary.mean.numpy(), mean, rtol=1e-12, atol=1e-12 * scale)
+        np.testing.assert_allclose(summary.std.numpy(), std, rtol=1e-9, atol=1e-9 * scale)
+
+
+def test_nan_cells_stay_nan_and_others_are_unaffected():
+    a = Moments.of(torch.tensor([1.0, float("nan")]), 2)
+    b = Moments.of(torch.tensor([4.0, float("nan")]), 1)
+    merged = a.merge(b)
+    assert merged.mean[0].item() == 2.0 and torch.isnan(merged.mean[1])
+    assert merged.std[0].item() == np.sqrt(2.0) and torch.isnan(merged.std[1])
