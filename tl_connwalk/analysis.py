@@ -1,7 +1,7 @@
 """Tables over layers: layer drift and the tidy geometry table of a cache (SPEC 3, 5).
 
 Each function reads one cache and walks its layers with a progress bar; the per-layer work is
-:mod:`tl_connwalk.residual` and the math core.
+`tl_connwalk.residual` and the math core.
 """
 
 import itertools
@@ -43,7 +43,7 @@ def _drifts(walks: list[Tensor], exclude_sink: bool) -> Tensor:
     ]
     if not drifts:
         return torch.zeros(walks[0].shape[0], 0, dtype=walks[0].dtype, device=walks[0].device)
-    return torch.stack(drifts, dim=-1)
+    return torch.stack([d.to(drifts[0].device) for d in drifts], dim=-1)
 
 
 def geometry_table(
@@ -64,7 +64,7 @@ def geometry_table(
     ``field_defect``, ``head_defect`` (delta of ``T^h``; on ``"all"`` rows the mean over heads),
     ``drift_to_next`` (layer drift to the next layer; needs that layer's hooks too), and for
     each defect its random baseline ``<name>_baseline`` and ``<name>_baseline_std``. Values
-    are batch means. ``residuals`` (layer -> :class:`LaplacianResidual` of this cache, with the
+    are batch means. ``residuals`` (layer -> `LaplacianResidual` of this cache, with the
     same ``exclude_sink``) reuses residuals already computed instead of measuring again.
 
     >>> table = tl_connwalk.geometry_table(cache)  # doctest: +SKIP

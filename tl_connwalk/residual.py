@@ -6,6 +6,7 @@ frozen and typed, and ``to_dict()`` gives plain floats and lists for JSON.
 """
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Literal
 
@@ -53,6 +54,10 @@ class LaplacianResidual:
         nearest_operator: with ``exact=True``, ``||P - P*||_F / ||P||_F`` to the nearest
             random-walk connection operator (SPEC 4) and how it was evaluated (every edge, or a
             stated sample with its seed); else ``None``.
+        mass_share: the requested share of each row's walk mass on whose heaviest edges
+            ``transport_defect`` (and its baseline) was computed; ``None``: every edge.
+        mass_covered: ``[batch]`` the share of the walk mass those edges actually carry
+            (``>= mass_share``; 1 with every edge).
     """
 
     stochasticity: Float[Tensor, " batch"]
@@ -71,6 +76,8 @@ class LaplacianResidual:
     nearest_operator: NearestOperatorDistance | None = None
     layer: int | None = None
     processing: Mapping[str, bool] = dataclasses.field(default_factory=dict)
+    mass_share: float | None = None
+    mass_covered: Float[Tensor, " batch"] | None = None
 
     def to_dict(self) -> dict[str, object]:
         """Plain floats and lists, JSON-serialisable."""
@@ -93,6 +100,8 @@ class LaplacianResidual:
             "nearest_operator": (
                 None if self.nearest_operator is None else self.nearest_operator.to_dict()
             ),
+            "mass_share": self.mass_share,
+            "mass_covered": _listed(self.mass_covered),
         }
 
     def __repr__(self) -> str:
@@ -132,11 +141,13 @@ def laplacian_residual(
     seed: int = 0,
     exact: bool = False,
     max_edges: int | None = 4096,
+    mass_share: float | None = None,
+    query_chunk: int | None = None,
 ) -> LaplacianResidual:
-    """Measure every condition of SPEC section 2 on one layer's walk (:class:`LaplacianResidual`).
+    """Measure every condition of SPEC section 2 on one layer's walk (`LaplacianResidual`).
 
     Args:
-        walk: the layer's :class:`~tl_connwalk.walk.ConnectionWalk`.
+        walk: the layer's `tl_connwalk.walk.ConnectionWalk`.
         mu: the measure for reversibility: ``"stationary"`` (falls back to uniform where the
             walk is reducible, e.g. causal), ``"uniform"``, ``"teleport"`` (stationary
             distribution of ``alpha W + (1 - alpha) 11^T / n``) or a ``[batch, pos]`` tensor.
@@ -147,6 +158,13 @@ def laplacian_residual(
             report ``||P - P*||_F / ||P||_F``; materialises ``d_model x d_model`` maps edge by
             edge, so on more than ``max_edges`` edges per sequence (``None``: never) it uses a
             uniform sample of that many edges, and the result says so.
+        mass_share: compute the effective-transport defect (and its baseline) only on the
+            heaviest edges of each query row that carry this share of the row's walk mass
+            (`tl_connwalk.core.isometry.heaviest_edges`), averaged with rows
+            renormalised over them; ``mass_covered`` reports the share they actually carry.
+            ``None`` (default): every edge.
+        query_chunk: query rows per chunk of the per-edge work (``None``: as many as fit
+            ``isometry.CHUNK_ENTRIES`` numbers); the results do not depend on it.
 
     Cost: ``O(H^3 d_head^3)`` per layer for the Gram tensors, ``O(batch n^2 H^4)`` for the
     per-edge defects, times ``1 + baseline_draws``; memory stays at the size of the pattern.
@@ -158,16 +176,31 @@ def laplacian_residual(
         raise ConnWalkError(
             f"baseline_draws must be >= 2 (a spread needs two), got {baseline_draws}."
         )
-    W, g, X, W_V, W_O = walk.walk, walk.gates, walk.field, walk.W_V, walk.W_O
+    W, g = walk.walk, walk.gates
+    (X, _), (W_V, v_factor), (W_O, o_factor) = map(_unit_scaled, (walk.field, walk.W_V, walk.W_O))
     reversibility = markov.reversibility_residual(W, mu, alpha=alpha)
-    pairing = markov.pairing_residual(W, g, W_V, W_O, exclude_sink=exclude_sink)
+    pairing = markov.pairing_residual(
+        W, g, W_V, W_O, exclude_sink=exclude_sink, query_chunk=query_chunk
+    )
+    kept, covered = None, None
+    if mass_share is not None:
+        considered = W
+        if exclude_sink:
+            considered = W.clone()
+            considered[:, :, 0] = 0.0
+        selected = isometry.heaviest_edges(considered, mass_share)
+        covered = isometry.covered_mass_share(W, selected, exclude_sink=exclude_sink)
+        # share 1 keeps every edge: the all-edge path itself, not a gathered copy of it
+        kept = None if mass_share >= 1.0 else selected
 
     def transport_defect(values: Tensor, outputs: Tensor) -> Tensor:
-        return isometry.effective_transport_defect(W, g, values, outputs, exclude_sink=exclude_sink)
+        return isometry.effective_transport_defect(
+            W, g, values, outputs, exclude_sink=exclude_sink, edges=kept, query_chunk=query_chunk
+        )
 
     def field(values: Tensor, outputs: Tensor) -> Tensor:
         return field_defect.field_isometry_defect(
-            X, W, g, values, outputs, exclude_sink=exclude_sink
+            X, W, g, values, outputs, exclude_sink=exclude_sink, query_chunk=query_chunk
         )
 
     measures = {
@@ -179,12 +212,15 @@ def laplacian_residual(
         name: isometry.random_baseline(measure, W_V, W_O, baseline_draws, seed=seed)
         for name, measure in measures.items()
     }
-    scale = isometry.common_scale(W, g, W_V, W_O, exclude_sink=exclude_sink)
+    unit_scale = isometry.common_scale(
+        W, g, W_V, W_O, exclude_sink=exclude_sink, query_chunk=query_chunk
+    )
     nearest = None
     if exact:
         nearest = laplacian.nearest_connection_operator_distance(
-            W, g, W_V, W_O, reversibility.mu, scale, max_edges=max_edges, seed=seed
+            W, g, W_V, W_O, reversibility.mu, unit_scale, max_edges=max_edges, seed=seed
         )
+    scale = unit_scale / (v_factor * o_factor)
     return LaplacianResidual(
         stochasticity=markov.stochasticity_residual(W),
         reversibility=reversibility.residual,
@@ -197,13 +233,15 @@ def laplacian_residual(
         head_defects=isometry.head_transport_defects(W_V, W_O),
         field_defect=field(W_V, W_O),
         head_field_defects=field_defect.head_field_isometry_defects(
-            X, W, g, W_V, W_O, exclude_sink=exclude_sink
+            X, W, g, W_V, W_O, exclude_sink=exclude_sink, query_chunk=query_chunk
         ),
         baseline=baseline,
         exclude_sink=exclude_sink,
         nearest_operator=nearest,
         layer=walk.layer,
         processing=walk.processing,
+        mass_share=mass_share,
+        mass_covered=covered,
     )
 
 
@@ -217,7 +255,7 @@ def isometry_defects(
     scaled isometry) from each edge's singular values (``O(batch n^2 r^3)``, small problems).
     Both with ``r = min(d_model, H d_head)``.
     """
-    W_V, W_O = walk.W_V, walk.W_O
+    (W_V, _), (W_O, _) = _unit_scaled(walk.W_V), _unit_scaled(walk.W_O)
     rank = isometry.effective_rank(W_V, W_O)
     if kind == "gram":
         K2, K4 = isometry.gram_matrices(W_V, W_O)
@@ -227,3 +265,23 @@ def isometry_defects(
         delta = isometry.isometry_defect(sigma, rank)
         return torch.where(walk.walk > 0, delta, torch.zeros_like(delta))
     raise ConnWalkError(f'kind must be "gram" or "frobenius", got {kind!r}.')
+
+
+def _unit_scaled(tensor: Tensor) -> tuple[Tensor, float]:
+    """``(c t, c)`` with ``c`` the power of two that brings ``max |t|`` nearest to 1.
+
+    Every defect is invariant under scaling the field and the transports (SPEC 3), but the
+    closed forms raise transport norms to the fourth power, which leaves float32's range for
+    ``||T||_F`` beyond about 1e9 or below 1e-9. A power of two rescales without rounding, so
+    the defects of weights already in range are bit for bit those of the unscaled ones.
+    """
+    peak = float(tensor.detach().abs().max()) if tensor.numel() else 0.0
+    if not math.isfinite(peak):
+        raise ConnWalkError(
+            f"a {tuple(tensor.shape)} input of the measurement has non-finite entries (NaN or "
+            "Inf); check the model's weights and the cached activations."
+        )
+    if peak == 0.0:
+        return tensor, 1.0
+    factor = 2.0 ** -round(math.log2(peak))
+    return tensor * factor, factor

@@ -1,10 +1,10 @@
 """``ConnectionWalk``: the object a user holds for one attention layer (SPEC section 1).
 
 A frozen bundle of the walk ``W``, the gates ``g``, the field ``X`` the layer read, and the
-head weights; every method delegates to the math core in :mod:`tl_connwalk.core`. Build one
+head weights; every method delegates to the math core in `tl_connwalk.core`. Build one
 from a TransformerLens cache with ``cache.connection_walk(layer)`` (after
-``tl_connwalk.attach``) or :func:`tl_connwalk.connection_walk`, or from raw tensors with
-:meth:`ConnectionWalk.from_pattern`.
+``tl_connwalk.attach``) or `tl_connwalk.connection_walk`, or from raw tensors with
+`ConnectionWalk.from_pattern`.
 """
 
 import dataclasses
@@ -141,7 +141,7 @@ class ConnectionWalk:
 
         With an edge, a ``FactoredMatrix`` ``[batch, d_model, d_model]`` of inner width
         ``H d_head`` (``.AB`` is the dense map). Without, every edge lazily as an
-        :class:`~tl_connwalk.core.walk.EffectiveTransport` (index it ``[query, key]``).
+        `EffectiveTransport` (index it ``[query, key]``).
 
         >>> walk.effective_transport(3, 1).AB.shape  # doctest: +SKIP
         torch.Size([batch, d_model, d_model])
@@ -180,8 +180,9 @@ class ConnectionWalk:
     def laplacian_residual(self, **options: Any) -> residual.LaplacianResidual:
         """How far ``L = I - P`` is from a random-walk connection Laplacian (SPEC 2-4).
 
-        Options as :func:`tl_connwalk.residual.laplacian_residual` (``mu``, ``alpha``,
-        ``exclude_sink``, ``baseline_draws``, ``seed``).
+        Options as `tl_connwalk.residual.laplacian_residual` (``mu``, ``alpha``,
+        ``exclude_sink``, ``baseline_draws``, ``seed``, ``exact``, ``max_edges``,
+        ``mass_share``, ``query_chunk``).
 
         >>> walk.laplacian_residual(exclude_sink=True).transport_defect  # doctest: +SKIP
         """
@@ -192,7 +193,7 @@ class ConnectionWalk:
     ) -> Float[Tensor, "batch query key"]:
         """Per-edge defect of ``T_ij``: ``"gram"`` (eps, closed form) or ``"frobenius"`` (delta).
 
-        0 where ``W_ij = 0``. See :func:`tl_connwalk.residual.isometry_defects`.
+        0 where ``W_ij = 0``. See `tl_connwalk.residual.isometry_defects`.
         """
         return residual.isometry_defects(self, kind)
 

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jaxtyping import TypeCheckError
 
+from tests.core import problems
 from tests.tolerances import assert_close
 from tl_connwalk.core import isometry as iso
 from tl_connwalk.core.walk import gates as split_gates
@@ -26,15 +27,8 @@ CLOSED_FORM_ATOL = 1e-7  # closed form vs per-edge SVD, float64
 
 def random_problem(batch=2, heads=3, pos=5, d_model=12, d_head=3, seed=0, causal=False):
     """Pattern, field and head weights in float64 (non-causal by default, so edges go both ways)."""
-    gen = torch.Generator().manual_seed(seed)
-    scores = 2 * torch.randn(batch, heads, pos, pos, generator=gen, dtype=F64)
-    if causal:
-        scores = scores.masked_fill(torch.ones(pos, pos).triu(1).bool(), float("-inf"))
-    pattern = scores.softmax(-1)
-    field = torch.randn(batch, pos, d_model, generator=gen, dtype=F64)
-    W_V = torch.randn(heads, d_model, d_head, generator=gen, dtype=F64)
-    W_O = torch.randn(heads, d_head, d_model, generator=gen, dtype=F64)
-    return pattern, field, W_V, W_O
+    p = problems.random_problem(batch, heads, pos, d_model, d_head, seed=seed, causal=causal)
+    return p.pattern, p.field, p.W_V, p.W_O
 
 
 def dense_transports(gates, W_V, W_O):

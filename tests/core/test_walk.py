@@ -5,22 +5,17 @@ from einops import einsum
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.core import problems
 from tests.tolerances import assert_close
 from tl_connwalk.core import walk as core
 
 
 def random_problem(batch=2, heads=3, pos=5, d_model=7, d_head=2, seed=0, causal=True):
-    gen = torch.Generator().manual_seed(seed)
-    scores = torch.randn(batch, heads, pos, pos, generator=gen, dtype=torch.float64)
-    if causal:
-        scores = scores.masked_fill(torch.ones(pos, pos).triu(1).bool(), float("-inf"))
-    pattern = scores.softmax(-1)
-    field = torch.randn(batch, pos, d_model, generator=gen, dtype=torch.float64)
-    W_V = torch.randn(heads, d_model, d_head, generator=gen, dtype=torch.float64)
-    W_O = torch.randn(heads, d_head, d_model, generator=gen, dtype=torch.float64)
-    b_V = torch.randn(heads, d_head, generator=gen, dtype=torch.float64)
-    b_O = torch.randn(d_model, generator=gen, dtype=torch.float64)
-    return pattern, field, W_V, W_O, b_V, b_O
+    """Causal by default, unit-temperature scores (the shared helper of tests/core/problems.py)."""
+    p = problems.random_problem(
+        batch, heads, pos, d_model, d_head, seed=seed, causal=causal, temperature=1.0
+    )
+    return p.pattern, p.field, p.W_V, p.W_O, p.b_V, p.b_O
 
 
 def dense_edge_transports(pattern, W_V, W_O):

@@ -89,3 +89,14 @@ def identity_errors(model: nn.Module, cache, outputs: dict[int, torch.Tensor]) -
         rebuilt = walk.apply() + walk.bias()
         errors.append(((rebuilt - expected).abs().max() / expected.abs().max()).item())
     return errors
+
+
+def state_digest(model: nn.Module) -> str:
+    """sha256 of every parameter and buffer (name and bytes), the hook names and the config."""
+    digest = hashlib.sha256()
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    digest.update(repr(sorted(getattr(model, "hook_dict", {}))).encode())
+    digest.update(repr(getattr(model, "cfg", None)).encode())
+    return digest.hexdigest()

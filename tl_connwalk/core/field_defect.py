@@ -18,12 +18,17 @@ reported as 0 and its edges are left out of the defects (rows renormalised over 
 """
 
 import torch
-from einops import einsum, rearrange
+from einops import einsum, rearrange, reduce
 from jaxtyping import Float
 from torch import Tensor
 
-from tl_connwalk.core.isometry import walk_weighted_cv, working_dtype
-from tl_connwalk.core.walk import patterns_from_walk
+from tl_connwalk.core.isometry import (
+    _check_chunk,
+    _query_chunks,
+    check_flag,
+    walk_weighted_cv,
+    working_dtype,
+)
 from tl_connwalk.errors import ConnWalkError
 
 
@@ -52,18 +57,23 @@ def message_grams(
     """The head-message Gram ``G_j[a,b] = (x_j T^a) . (x_j T^b)`` of every key.
 
     Through the values ``v^h_j = x_j W_V^h``: ``G_j[a,b] = v^a_j (W_O^a W_O^b^T) v^b_j^T``,
-    ``O(batch n H^2 d_head^2 + H^2 d_head^2 d_model)``; no ``[batch, key, head, d_model]``
-    messages are kept.
+    ``O(batch n H^2 d_head^2 + H^2 d_head^2 d_model)``, one head ``a`` at a time: no
+    ``[batch, key, head, d_model]`` messages and no ``H^2 d_head^2`` output Gram are kept
+    (working memory ``O(batch n H d_head + H d_head^2)``).
 
     >>> message_grams(torch.randn(1, 3, 8), torch.randn(2, 8, 4), torch.randn(2, 4, 8)).shape
     torch.Size([1, 3, 2, 2])
     """
     field, W_V, W_O = _cast(field, W_V, W_O)
-    values = einsum(field, W_V, "batch key d_model, head d_model d_head -> batch key head d_head")
-    out_gram = einsum(W_O, W_O, "a p d_model, c q d_model -> a c p q")
-    return einsum(
-        values, out_gram, values, "batch key a p, a c p q, batch key c q -> batch key a c"
-    )
+    n_heads = W_V.shape[0]
+    # head by head: an einsum over the head axis would copy W_V into matmul layout first
+    values = torch.stack([field @ W_V[h] for h in range(n_heads)], dim=2)
+    rows = []
+    for a in range(n_heads):
+        out_gram = torch.stack([W_O[a] @ W_O[c].mT for c in range(n_heads)])  # [c, p, q]
+        mapped = einsum(values[:, :, a], out_gram, "batch key p, c p q -> batch key c q")
+        rows.append(einsum(mapped, values, "batch key c q, batch key c q -> batch key c"))
+    return torch.stack(rows, dim=2)
 
 
 def _field_norms(field: Tensor) -> Tensor:
@@ -82,10 +92,14 @@ def message_norm_ratios(
     gates: Float[Tensor, "batch head query key"],
     W_V: Float[Tensor, "head d_model d_head"],
     W_O: Float[Tensor, "head d_head d_model"],
+    *,
+    query_chunk: int | None = None,
 ) -> Float[Tensor, "batch query key"]:
     """``rho_ij = ||x_j T_ij|| / ||x_j||`` on every pair, ``||x_j T_ij||^2 = H^2 g_ij^T G_j g_ij``.
 
     0 where ``x_j = 0``. Every ``(i, j)`` gets a value; weight by the walk to keep edges.
+    Chunked over queries (``query_chunk`` rows, ``None``: as many as fit
+    ``isometry.CHUNK_ENTRIES`` numbers); the result does not depend on the chunking.
 
     >>> A = torch.softmax(torch.randn(1, 2, 3, 3), -1)
     >>> message_norm_ratios(torch.randn(1, 3, 8), A / A.sum(1, keepdim=True),
@@ -98,14 +112,15 @@ def message_norm_ratios(
             f"gates {tuple(gates.shape)} must be [batch, head, query, key] with head = "
             f"{W_V.shape[0]} and key = {field.shape[1]} (the field's positions)."
         )
-    n_heads = gates.shape[1]
+    _check_chunk(query_chunk)
+    batch, n_heads, n_query, n_key = gates.shape
     grams = message_grams(field, W_V, W_O)
-    norm_sq = n_heads**2 * einsum(
-        gates,
-        grams,
-        gates,
-        "batch a query key, batch key a c, batch c query key -> batch query key",
-    )
+    parts = []
+    for rows in _query_chunks(n_query, batch * n_heads * n_key, query_chunk):
+        g = gates[:, :, rows]
+        mixed = einsum(g, grams, "batch a query key, batch key a c -> batch c query key")
+        parts.append(einsum(mixed, g, "batch c query key, batch c query key -> batch query key"))
+    norm_sq = n_heads**2 * torch.cat(parts, dim=1)
     return _ratio(norm_sq, _field_norms(field)[:, None, :])
 
 
@@ -143,11 +158,12 @@ def field_isometry_defect(
     W_O: Float[Tensor, "head d_head d_model"],
     *,
     exclude_sink: bool = False,
+    query_chunk: int | None = None,
 ) -> Float[Tensor, " batch"]:
     """The field isometry defect: the walk-weighted coefficient of variation of ``rho_ij``.
 
     ``CV = sqrt(sum p (rho - m)^2) / m``, ``m = sum p rho``, ``p_ij ~ W_ij`` as in
-    :func:`~tl_connwalk.core.isometry.walk_weighted_cv` (``exclude_sink`` drops key 0 and
+    `tl_connwalk.core.isometry.walk_weighted_cv` (``exclude_sink`` drops key 0 and
     renormalises rows). Invariant under ``x -> c x`` and ``T -> c T``. ``O(batch n^2 H^2)``.
 
     >>> A = torch.softmax(torch.randn(1, 1, 3, 3), -1)
@@ -156,7 +172,7 @@ def field_isometry_defect(
     ...                       3 * Q[None], Q.T[None])  # doctest: +SKIP
     tensor([0.])
     """
-    rho = message_norm_ratios(field, gates, W_V, W_O)
+    rho = message_norm_ratios(field, gates, W_V, W_O, query_chunk=query_chunk)
     edges = _sent(field, rho.shape)
     return walk_weighted_cv(walk, rho, exclude_sink=exclude_sink, edges=edges)
 
@@ -169,11 +185,15 @@ def head_field_isometry_defects(
     W_O: Float[Tensor, "head d_head d_model"],
     *,
     exclude_sink: bool = False,
+    query_chunk: int | None = None,
 ) -> Float[Tensor, "batch head"]:
     """Per head: the CV of ``rho^h_j = ||x_j T^h|| / ||x_j||`` weighted by that head's walk.
 
     Head ``h`` alone is the connection walk ``(A^h, T^h)`` with ``A^h = H W g^h``, so its edge
-    ``(i, j)`` weighs ``A^h_ij`` and carries ``rho^h_j``.
+    ``(i, j)`` weighs ``A^h_ij`` and carries ``rho^h_j``. Since ``rho^h_j`` depends on the key
+    only, the weighted sums run over keys with column weights ``sum_i A^h_ij`` (rows
+    renormalised first when keys are dropped): ``O(batch n^2 H)`` time, chunked over queries
+    (``query_chunk`` rows; ``None``: ``isometry.CHUNK_ENTRIES`` numbers per chunk).
 
     >>> A = torch.softmax(torch.randn(1, 2, 3, 3), -1)
     >>> head_field_isometry_defects(torch.randn(1, 3, 8), A.mean(1), A / A.sum(1, keepdim=True),
@@ -185,19 +205,41 @@ def head_field_isometry_defects(
             f"gates {tuple(gates.shape)} and walk {tuple(walk.shape)} disagree: need gates "
             "[batch, head, query, key] and walk [batch, query, key]."
         )
-    rho = head_message_norm_ratios(field, W_V, W_O)
+    check_flag(exclude_sink, "exclude_sink")
+    _check_chunk(query_chunk)
+    rho = head_message_norm_ratios(field, W_V, W_O)  # [batch, key, head]
+    walk_w, gates_w = walk.to(rho), gates.to(rho)
+    if (walk_w < 0).any():
+        raise ConnWalkError("walk has negative entries; a walk matrix is >= 0 (SPEC 1).")
     n_heads = gates.shape[1]
-    pattern = patterns_from_walk(walk.to(rho), gates.to(rho))
-    per_edge = rearrange(rho, "batch key head -> batch head 1 key").expand(pattern.shape)
-    edges = _sent(field, walk.shape)
-    if edges is not None:
-        edges = rearrange(
-            edges[:, None].expand(pattern.shape), "batch head query key -> (batch head) query key"
-        )
-    cv = walk_weighted_cv(
-        rearrange(pattern, "batch head query key -> (batch head) query key"),
-        rearrange(per_edge, "batch head query key -> (batch head) query key"),
-        exclude_sink=exclude_sink,
-        edges=edges,
-    )
-    return rearrange(cv, "(batch head) -> batch head", head=n_heads)
+    # the value rho^h_j depends on the key only, so every walk-weighted sum over edges is a sum
+    # over keys of column weights: no [batch, head, query, key] tensor beyond the gates
+    keys = _field_norms(field) > 0  # keys that send a message
+    if exclude_sink:
+        keys = keys.clone()
+        keys[:, 0] = False
+    restricted = exclude_sink or not bool(keys.all())
+    keys_w = keys.to(rho)
+    batch, _, n_query, n_key = gates.shape
+    column = torch.zeros(batch, n_heads, n_key, dtype=rho.dtype, device=rho.device)
+    for rows in _query_chunks(n_query, 2 * batch * n_heads * n_key, query_chunk):
+        pattern = n_heads * walk_w[:, None, rows] * gates_w[:, :, rows]  # A^h on these rows
+        if restricted:
+            # rows renormalised over the kept keys; rows without mass there drop out
+            row_mass = einsum(
+                pattern, keys_w, "batch head query key, batch key -> batch head query"
+            )
+            has_mass = row_mass > 0
+            pattern = (
+                pattern
+                * torch.where(has_mass, 1.0 / torch.where(has_mass, row_mass, 1.0), 0.0)[..., None]
+            )
+        column += reduce(pattern, "batch head query key -> batch head key", "sum")
+    column = column * keys_w[:, None, :]
+    total = reduce(column, "batch head key -> batch head 1", "sum")
+    p = torch.where(total > 0, column / torch.where(total > 0, total, 1.0), 0.0)
+    values = rearrange(rho, "batch key head -> batch head key")
+    mean = einsum(p, values, "batch head key, batch head key -> batch head")
+    var = einsum(p, (values - mean[..., None]) ** 2, "batch head key, batch head key -> batch head")
+    safe = torch.where(mean != 0, mean, torch.ones_like(mean))
+    return torch.where(mean != 0, var.clamp_min(0.0).sqrt() / safe.abs(), torch.zeros_like(mean))

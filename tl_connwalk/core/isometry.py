@@ -10,7 +10,7 @@ both 0 exactly when ``T`` is a scaled (partial) isometry ``s U V^T`` and both in
 so on the effective transports ``T_ij = H sum_h g^h_ij T^h`` of all edges it has a closed form
 through the head Grams ``K2[a,b] = tr(T^a^T T^b)`` and
 ``K4[a,b,c,e] = tr(T^b^T T^a T^c^T T^e)``, built from ``d_head``-sized factor products
-(:func:`gram_matrices`); no ``d_model x d_model`` map is ever formed per edge.
+(`gram_matrices`); no ``d_model x d_model`` map is ever formed per edge.
 
 Conventions for the degenerate cases (never NaN): the zero map is the scaled isometry with
 scale 0, so ``delta = eps = 0`` and its Frobenius scale is 0. A rank-deficient map (fewer than
@@ -63,7 +63,17 @@ def _top_singular_values(
 def _ratio_defect(
     spread: Float[Tensor, "*batch"], size: Float[Tensor, "*batch"]
 ) -> Float[Tensor, "*batch"]:
-    """``sqrt(spread / size)`` with ``0/0 = 0`` (the zero map) and rounding clamped to [0, 1]."""
+    """``sqrt(spread / size)`` with ``0/0 = 0`` (the zero map) and rounding clamped to [0, 1].
+
+    Raises if either is not finite (float overflow: rescale the transports towards norm 1,
+    as `tl_connwalk.residual.laplacian_residual` does) rather than let a NaN pass as 0.
+    """
+    if not (torch.isfinite(spread).all() and torch.isfinite(size).all()):
+        raise ConnWalkError(
+            "a defect overflowed the working precision (transport norms to the fourth power "
+            "left the float range); scale W_V, W_O towards norm 1 or use float64 - every defect "
+            "is invariant under that scaling."
+        )
     safe = torch.where(size > 0, size, torch.ones_like(size))
     ratio = torch.where(size > 0, spread / safe, torch.zeros_like(size))
     return ratio.clamp(0.0, 1.0).sqrt()
@@ -143,8 +153,8 @@ def head_singular_values(
     torch.Size([3, 4])
     """
     W_V, W_O = _cast_heads(W_V, W_O)
-    _, R_V = torch.linalg.qr(W_V)
-    _, R_O = torch.linalg.qr(rearrange(W_O, "head d_head d_model -> head d_model d_head"))
+    _, R_V = torch.linalg.qr(W_V, mode="r")
+    _, R_O = torch.linalg.qr(rearrange(W_O, "head d_head d_model -> head d_model d_head"), mode="r")
     core = einsum(R_V, R_O, "head r d_head, head s d_head -> head r s")
     return torch.linalg.svdvals(core)
 
@@ -178,10 +188,20 @@ def effective_rank(
     return min(d_model, n_heads * d_head)
 
 
+def _products(left: Tensor, right: Tensor) -> Tensor:
+    """``[left[a] @ right[b] for b]`` stacked, ``[H, ., .]``, one small matmul at a time.
+
+    A single einsum over the head axis would first copy a ``d_model x H d_head`` factor into
+    matmul layout (as large as ``W_V`` itself); these ``d_head``-sized products never do.
+    """
+    return torch.stack([left @ right[b] for b in range(right.shape[0])])
+
+
 def _head_factor_grams(W_V: Tensor, W_O: Tensor) -> tuple[Tensor, Tensor]:
     """``GV[a,b] = W_V^a^T W_V^b`` and ``GO[a,b] = W_O^a W_O^b^T``, both ``[H, H, d_h, d_h]``."""
-    gram_v = einsum(W_V, W_V, "a d_model p, b d_model q -> a b p q")
-    gram_o = einsum(W_O, W_O, "a p d_model, b q d_model -> a b p q")
+    W_O_t = W_O.mT
+    gram_v = torch.stack([_products(W_V[a].mT, W_V) for a in range(W_V.shape[0])])
+    gram_o = torch.stack([_products(W_O[a], W_O_t) for a in range(W_O.shape[0])])
     return gram_v, gram_o
 
 
@@ -191,13 +211,18 @@ def head_gram(
     """``K2[a,b] = tr(T^a^T T^b) = <T^a, T^b>_F`` (SPEC 3), from ``d_head x d_head`` products.
 
     ``tr(W_O^a^T W_V^a^T W_V^b W_O^b) = tr(GV[a,b] GO[b,a])``; the diagonal is ``||T^h||_F^2``.
+    One row ``a`` at a time: working memory ``O(H d_head^2)``, never the ``H^2 d_head^2`` Grams.
 
     >>> head_gram(torch.randn(2, 8, 4), torch.randn(2, 4, 8)).shape
     torch.Size([2, 2])
     """
     W_V, W_O = _cast_heads(W_V, W_O)
-    gram_v, gram_o = _head_factor_grams(W_V, W_O)
-    return einsum(gram_v, gram_o, "a b p q, b a q p -> a b")
+    rows = []
+    for a in range(W_V.shape[0]):
+        gram_v = _products(W_V[a].mT, W_V)  # GV[a, b]: [b, p, q]
+        gram_o = _products(W_O[a], W_O.mT).mT  # GO[b, a] = GO[a, b]^T: [b, q, p]
+        rows.append(einsum(gram_v, gram_o, "b p q, b q p -> b"))
+    return torch.stack(rows)
 
 
 def head_mixed_gram(
@@ -206,14 +231,19 @@ def head_mixed_gram(
     """``KM[a,b] = tr(T^a T^b) = <T^a^T, T^b>_F``, the Gram that pairs a map with a transpose.
 
     ``tr(W_V^a W_O^a W_V^b W_O^b) = tr(C[a,b] C[b,a])`` with ``C[a,b] = W_O^a W_V^b``
-    (``d_head x d_head``). Used by the pairing residual (SPEC 3).
+    (``d_head x d_head``). Used by the pairing residual (SPEC 3). A row ``a`` at a time (each
+    ``C`` computed twice): working memory ``O(H d_head^2)``, not the ``H^2 d_head^2`` of ``C``.
 
     >>> head_mixed_gram(torch.randn(2, 8, 4), torch.randn(2, 4, 8)).shape
     torch.Size([2, 2])
     """
     W_V, W_O = _cast_heads(W_V, W_O)
-    cross = einsum(W_O, W_V, "a p d_model, b d_model q -> a b p q")
-    return einsum(cross, cross, "a b p q, b a q p -> a b")
+    rows = []
+    for a in range(W_V.shape[0]):
+        cross_row = _products(W_O[a], W_V)  # C[a, b]: [b, p, q]
+        cross_col = torch.stack([W_O[b] @ W_V[a] for b in range(W_O.shape[0])])  # C[b, a]
+        rows.append(einsum(cross_row, cross_col, "b p q, b q p -> b"))
+    return torch.stack(rows)
 
 
 def gram_matrices(
@@ -226,26 +256,25 @@ def gram_matrices(
         K4[a,b,c,e] = tr(GV[b,a] GO[a,c] GV[c,e] GO[e,b])
 
     built through the ``H^3`` products ``X[b,a,c] = GV[b,a] GO[a,c]`` and
-    ``Y[b,c,e] = GV[c,e] GO[e,b]``, a block of ``b`` at a time: working memory
-    ``O(H^2 d_head^2)`` per ``b`` (never ``H^4 d^2``), time ``O(H^3 d_head^3 + H^4 d_head^2)``.
-    ``K4`` itself has ``H^4`` entries (1M for ``H = 32``).
+    ``Y[b,c,e] = GV[c,e] GO[e,b]``, one ``(b, c)`` at a time: working memory the two Grams
+    (``2 H^2 d_head^2`` numbers) plus ``O(H d_head^2)`` (never ``H^4 d^2``), time
+    ``O(H^3 d_head^3 + H^4 d_head^2)``. ``K4`` itself has ``H^4`` entries (1M for ``H = 32``).
 
     >>> K2, K4 = gram_matrices(torch.randn(3, 8, 2), torch.randn(3, 2, 8))
     >>> K2.shape, K4.shape
     (torch.Size([3, 3]), torch.Size([3, 3, 3, 3]))
     """
     W_V, W_O = _cast_heads(W_V, W_O)
-    n_heads, _, d_head = W_V.shape
+    n_heads = W_V.shape[0]
     gram_v, gram_o = _head_factor_grams(W_V, W_O)
     K2 = einsum(gram_v, gram_o, "a b p q, b a q p -> a b")
-    block = max(1, CHUNK_ENTRIES // max(1, n_heads * n_heads * d_head * d_head))
-    slices = []
-    for start in range(0, n_heads, block):
-        rows = slice(start, start + block)
-        X = einsum(gram_v[rows], gram_o, "b a p q, a c q s -> b a c p s")
-        Y = einsum(gram_v, gram_o[:, rows], "c e p q, e b q s -> b c e p s")
-        slices.append(einsum(X, Y, "b a c p s, b c e s p -> a b c e"))
-    return K2, torch.cat(slices, dim=1)
+    K4 = gram_v.new_zeros(n_heads, n_heads, n_heads, n_heads)
+    for b in range(n_heads):
+        for c in range(n_heads):
+            X = gram_v[b] @ gram_o[:, c]  # [a, p, s] = GV[b,a] GO[a,c]
+            Y = gram_v[c] @ gram_o[:, b]  # [e, s, p] = GV[c,e] GO[e,b]
+            K4[:, b, c, :] = einsum(X, Y, "a p s, e s p -> a e")
+    return K2, K4
 
 
 def _check_gates(gates: Tensor, n_heads: int) -> None:
@@ -256,37 +285,60 @@ def _check_gates(gates: Tensor, n_heads: int) -> None:
         )
 
 
-def _query_chunks(n_query: int, per_query: int) -> list[slice]:
-    step = max(1, CHUNK_ENTRIES // max(1, per_query))
+def _check_chunk(query_chunk: int | None) -> None:
+    if query_chunk is None:
+        return
+    if isinstance(query_chunk, bool) or not isinstance(query_chunk, int) or query_chunk < 1:
+        raise ConnWalkError(
+            f"query_chunk must be None (automatic, CHUNK_ENTRIES numbers per chunk) or a "
+            f"positive number of query rows, got {query_chunk!r}."
+        )
+
+
+def _query_chunks(n_query: int, per_query: int, query_chunk: int | None = None) -> list[slice]:
+    """Slices of query rows: ``query_chunk`` rows each, or as many as fit ``CHUNK_ENTRIES``."""
+    step = max(1, CHUNK_ENTRIES // max(1, per_query)) if query_chunk is None else query_chunk
     return [slice(start, start + step) for start in range(0, n_query, step)]
 
 
-def _edge_frobenius_sq(gates: Tensor, K2: Tensor) -> Tensor:
-    """``sum sigma^2(T_ij) = ||T_ij||_F^2 = H^2 g_ij^T K2 g_ij``, ``[batch, query, key]``."""
-    n_heads = gates.shape[1]
-    mixed = einsum(gates, K2, "batch a query key, a b -> batch b query key")
-    return n_heads**2 * einsum(
-        mixed, gates, "batch b query key, batch b query key -> batch query key"
-    )
+def _edge_frobenius_sq(gates: Tensor, K2: Tensor, query_chunk: int | None = None) -> Tensor:
+    """``sum sigma^2(T_ij) = ||T_ij||_F^2 = H^2 g_ij^T K2 g_ij``, ``[batch, query, key]``.
 
-
-def _edge_sigma4(gates: Tensor, K4: Tensor) -> Tensor:
-    """``sum sigma^4(T_ij) = H^4 sum g^a g^b g^c g^e K4[a,b,c,e]``, chunked over queries.
-
-    ``K4`` is the Gram matrix of the pair maps ``T^a T^c^T`` (symmetric in ``(a c) <-> (b e)``)
-    and ``g^a g^c`` is symmetric in ``a, c``: folding each unordered pair ``{a, c}`` into one
-    coordinate (``S^T K4 S``) cuts the per-edge work from ``H^4`` to about ``H^4 / 4``.
+    Chunked over queries: one chunk of ``[batch, head, rows, key]`` at a time beside the gates.
     """
     batch, n_heads, n_query, n_key = gates.shape
-    first, second = torch.triu_indices(n_heads, n_heads, device=gates.device)
+    out = []
+    for rows in _query_chunks(n_query, batch * n_heads * n_key, query_chunk):
+        g = gates[:, :, rows]
+        mixed = einsum(g, K2, "batch a query key, a b -> batch b query key")
+        out.append(einsum(mixed, g, "batch b query key, batch b query key -> batch query key"))
+    return n_heads**2 * torch.cat(out, dim=1)
+
+
+def _folded_pair_gram(K4: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Unordered head pairs ``{a, c}`` (``a <= c``) and ``S^T K4 S`` over them.
+
+    ``K4`` is the Gram matrix of the pair maps ``T^a T^c^T`` (symmetric in ``(a c) <-> (b e)``)
+    and ``g^a g^c`` is symmetric in ``a, c``: folding each unordered pair into one coordinate
+    cuts the per-edge work of ``sum g^a g^b g^c g^e K4[a,b,c,e]`` from ``H^4`` to ``~H^4 / 4``.
+    """
+    n_heads = K4.shape[0]
+    first, second = torch.triu_indices(n_heads, n_heads, device=K4.device)
     fold = torch.zeros(n_heads, n_heads, first.numel(), dtype=K4.dtype, device=K4.device)
-    pair = torch.arange(first.numel(), device=gates.device)
+    pair = torch.arange(first.numel(), device=K4.device)
     fold[first, second, pair] = 1.0
     fold[second, first, pair] = 1.0
     fold = rearrange(fold, "a c pair -> (a c) pair")
-    pairs = fold.T @ rearrange(K4, "a b c e -> (a c) (b e)") @ fold
+    return first, second, fold.T @ rearrange(K4, "a b c e -> (a c) (b e)") @ fold
+
+
+def _edge_sigma4(gates: Tensor, K4: Tensor, query_chunk: int | None = None) -> Tensor:
+    """``sum sigma^4(T_ij) = H^4 sum g^a g^b g^c g^e K4[a,b,c,e]``, chunked over queries."""
+    batch, n_heads, n_query, n_key = gates.shape
+    first, second, pairs = _folded_pair_gram(K4)
     out = []
-    for rows in _query_chunks(n_query, 2 * batch * n_key * first.numel()):
+    # four chunk-sized temporaries: the two gathered gates, their product and its image
+    for rows in _query_chunks(n_query, 4 * batch * n_key * first.numel(), query_chunk):
         g = gates[:, :, rows]
         outer = g[:, first] * g[:, second]
         outer = rearrange(outer, "batch pair query key -> batch query key pair")
@@ -298,6 +350,84 @@ def _edge_sigma4(gates: Tensor, K4: Tensor) -> Tensor:
             )
         )
     return n_heads**4 * torch.cat(out, dim=1)
+
+
+def _listed_edge_gram_defects(edge_gates: Tensor, K2: Tensor, K4: Tensor, rank: int) -> Tensor:
+    """``eps`` of a list of edges from their gates ``[edge, head]``, chunked over edges."""
+    n_edges, n_heads = edge_gates.shape
+    first, second, pairs = _folded_pair_gram(K4)
+    step = max(1, CHUNK_ENTRIES // max(1, 4 * first.numel() + n_heads))
+    out = []
+    for start in range(0, n_edges, step):
+        g = edge_gates[start : start + step]
+        sigma2 = n_heads**2 * einsum(g @ K2, g, "edge b, edge b -> edge")
+        outer = g[:, first] * g[:, second]
+        sigma4 = n_heads**4 * einsum(outer @ pairs, outer, "edge pair, edge pair -> edge")
+        out.append(_ratio_defect(rank * sigma4 - sigma2**2, rank * sigma4))
+    if not out:
+        return edge_gates.new_zeros(0)
+    return torch.cat(out)
+
+
+def heaviest_edges(
+    walk: Float[Tensor, "batch query key"], mass_share: float
+) -> Bool[Tensor, "batch query key"]:
+    """Per query row, the fewest heaviest edges whose walk mass reaches ``mass_share`` of the row.
+
+    Edge ``(i, j)`` is kept when the mass of the edges heavier than it in row ``i`` (ties
+    broken by a stable sort) is still below ``mass_share * sum_j W_ij``: every row keeps at
+    least that share (the first edge that reaches it is kept). ``mass_share = 1`` keeps every
+    edge ``W_ij > 0`` exactly. Costs one sort of the walk.
+
+    >>> heaviest_edges(torch.tensor([[[0.5, 0.3, 0.2]]]), 0.7)
+    tensor([[[ True,  True, False]]])
+    """
+    if (
+        isinstance(mass_share, bool)
+        or not isinstance(mass_share, (int, float))
+        or not 0.0 < mass_share <= 1.0
+    ):
+        raise ConnWalkError(
+            f"mass_share must be a number in (0, 1] (the share of each row's walk mass whose "
+            f"edges are measured), got {mass_share!r}."
+        )
+    if walk.ndim != 3:
+        raise ConnWalkError(f"walk must be [batch, query, key], got {tuple(walk.shape)}.")
+    present = walk > 0
+    if mass_share >= 1.0:
+        return present
+    weights = walk.to(working_dtype(walk))
+    ordered, order = weights.sort(dim=-1, descending=True, stable=True)
+    before = ordered.cumsum(-1) - ordered
+    row_mass = reduce(ordered, "batch query key -> batch query 1", "sum")
+    keep_ordered = (before < mass_share * row_mass) & (ordered > 0)
+    keep = torch.zeros_like(keep_ordered).scatter_(-1, order, keep_ordered)
+    return keep & present
+
+
+def covered_mass_share(
+    walk: Float[Tensor, "batch query key"],
+    edges: Bool[Tensor, "batch query key"],
+    *,
+    exclude_sink: bool = False,
+) -> Float[Tensor, " batch"]:
+    """``sum_{kept} W_ij / sum_ij W_ij`` per batch element (key 0 left out with ``exclude_sink``).
+
+    1 where the walk has no mass.
+
+    >>> W = torch.tensor([[[0.5, 0.3, 0.2]]])
+    >>> covered_mass_share(W, heaviest_edges(W, 0.7))  # doctest: +SKIP
+    tensor([0.8000])
+    """
+    weights = walk.to(working_dtype(walk))
+    if exclude_sink:
+        weights = weights.clone()
+        weights[:, :, 0] = 0.0
+    total = reduce(weights, "batch query key -> batch", "sum")
+    kept = reduce(
+        torch.where(edges.to(weights.device), weights, 0.0), "batch query key -> batch", "sum"
+    )
+    return torch.where(total > 0, kept / torch.where(total > 0, total, 1.0), 1.0)
 
 
 def _cast_gates(gates: Tensor, *grams: Tensor) -> tuple[Tensor, ...]:
@@ -322,14 +452,22 @@ def edge_gram_defects(
     K4: Float[Tensor, "head head head head"],
     rank: int,
     walk: Float[Tensor, "batch query key"] | None = None,
+    *,
+    edges: Bool[Tensor, "batch query key"] | None = None,
+    query_chunk: int | None = None,
 ) -> Float[Tensor, "batch query key"]:
     """The effective transport defect ``eps(T_ij)`` on every edge, in closed form (SPEC 3).
 
     ``sum sigma^2 = H^2 g^T K2 g`` and ``sum sigma^4 = H^4 sum g^a g^b g^c g^e K4[a,b,c,e]``, so
     ``eps_ij = sqrt(1 - (sum sigma^2)^2 / (r sum sigma^4))`` with no per-edge map. It equals the
     top-``r`` definition when ``r >= rank(T_ij)``, e.g. ``r = min(d_model, H d_head)``
-    (:func:`effective_rank`). Costs ``O(batch n^2 H^4 / 4)`` time, memory chunked over queries.
+    (`effective_rank`). Costs ``O(batch n^2 H^4 / 4)`` time, memory chunked over queries.
     Where ``walk`` is given, non-edges (``W_ij = 0``) get 0; zero maps get 0.
+
+    ``edges`` (e.g. `heaviest_edges`) restricts the work to those pairs, gathered into a
+    list (``O(n_kept H^4 / 4)``); every other pair gets 0. ``query_chunk`` sets the number of
+    query rows per chunk of the all-edge path (``None``: as many as fit ``CHUNK_ENTRIES``
+    numbers); the result does not depend on it.
 
     In the working dtype the closed form loses half the digits near 0 (it subtracts two
     nearly equal numbers): defects below ``~sqrt(machine eps)`` read as noise in float32.
@@ -341,9 +479,20 @@ def edge_gram_defects(
     """
     _check_gates(gates, K2.shape[0])
     _check_rank(rank)
+    _check_chunk(query_chunk)
     gates, K2, K4 = _cast_gates(gates, K2, K4)
-    sigma2 = _edge_frobenius_sq(gates, K2)
-    sigma4 = _edge_sigma4(gates, K4)
+    if edges is not None:
+        if edges.shape != gates.shape[:1] + gates.shape[2:]:
+            raise ConnWalkError(
+                f"edges {tuple(edges.shape)} must be [batch, query, key] like the gates' "
+                f"{tuple(gates.shape[:1] + gates.shape[2:])}."
+            )
+        b, i, j = edges.to(gates.device).nonzero(as_tuple=True)
+        eps = torch.zeros(edges.shape, dtype=gates.dtype, device=gates.device)
+        eps[b, i, j] = _listed_edge_gram_defects(gates[b, :, i, j], K2, K4, rank)
+        return _zero_off_walk(eps, walk)
+    sigma2 = _edge_frobenius_sq(gates, K2, query_chunk)
+    sigma4 = _edge_sigma4(gates, K4, query_chunk)
     spread = rank * sigma4 - sigma2**2
     return _zero_off_walk(_ratio_defect(spread, rank * sigma4), walk)
 
@@ -353,10 +502,13 @@ def edge_frobenius_scales(
     K2: Float[Tensor, "head head"],
     rank: int,
     walk: Float[Tensor, "batch query key"] | None = None,
+    *,
+    query_chunk: int | None = None,
 ) -> Float[Tensor, "batch query key"]:
     """Each edge's Frobenius scale ``s_ij = sqrt(sum sigma^2(T_ij) / r) = ||T_ij||_F / sqrt(r)``.
 
     ``||T_ij||_F^2 = H^2 g_ij^T K2 g_ij`` (SPEC 3-4). 0 on non-edges when ``walk`` is given.
+    ``query_chunk`` as in `edge_gram_defects`.
 
     >>> K2 = head_gram(torch.randn(2, 8, 4), torch.randn(2, 4, 8))
     >>> edge_frobenius_scales(torch.full((1, 2, 3, 3), 0.5), K2, rank=8).shape
@@ -364,8 +516,9 @@ def edge_frobenius_scales(
     """
     _check_gates(gates, K2.shape[0])
     _check_rank(rank)
+    _check_chunk(query_chunk)
     gates, K2 = _cast_gates(gates, K2)
-    scale = (_edge_frobenius_sq(gates, K2).clamp_min(0.0) / rank).sqrt()
+    scale = (_edge_frobenius_sq(gates, K2, query_chunk).clamp_min(0.0) / rank).sqrt()
     return _zero_off_walk(scale, walk)
 
 
@@ -379,7 +532,7 @@ def edge_singular_values(
     ``T_ij = W_V^cat diag(H g_ij (x) 1) W_O^cat``; one QR of each concatenated factor reduces
     every edge to a ``rank x rank`` core. Costs ``O(batch n^2 rank^3)``: for ``delta`` on
     small problems or a sample of edges ("where affordable", SPEC 3); ``eps`` on all edges is
-    :func:`edge_gram_defects`.
+    `edge_gram_defects`.
 
     >>> A = torch.softmax(torch.randn(1, 2, 3, 3), -1)
     >>> edge_singular_values(A / A.sum(1, keepdim=True), torch.randn(2, 8, 2),
@@ -417,7 +570,8 @@ def check_flag(value: object, name: str) -> bool:
 def _edge_weights(walk: Tensor, exclude_sink: bool, edges: Tensor | None) -> tuple[Tensor, Tensor]:
     """Per-edge weights and the per-batch normaliser of the walk-weighted summaries.
 
-    Plain: ``(W, n)``. Restricted (``exclude_sink`` drops key 0, ``edges`` keeps a subset):
+    Plain: ``(W, n)``, ``n`` the number of rows with mass (a masked row does not dilute the
+    mean). Restricted (``exclude_sink`` drops key 0, ``edges`` keeps a subset):
     rows renormalised over the kept edges and averaged over the rows that keep any mass.
     """
     if walk.ndim != 3:
@@ -426,9 +580,8 @@ def _edge_weights(walk: Tensor, exclude_sink: bool, edges: Tensor | None) -> tup
     if (weights < 0).any():
         raise ConnWalkError("walk has negative entries; a walk matrix is >= 0 (SPEC 1).")
     if not exclude_sink and edges is None:
-        return weights, torch.full(
-            weights.shape[:1], float(weights.shape[1]), dtype=weights.dtype, device=weights.device
-        )
+        has_mass = reduce(weights, "batch query key -> batch query", "sum") > 0
+        return weights, reduce(has_mass.to(weights.dtype), "batch query -> batch", "sum")
     keep = torch.ones_like(weights, dtype=torch.bool)
     if edges is not None:
         if edges.shape != walk.shape:
@@ -464,6 +617,7 @@ def walk_weighted_mean(
 ) -> Float[Tensor, " batch"]:
     """The walk-weighted summary ``(1/n) sum_ij W_ij v_ij`` of per-edge values (SPEC 3).
 
+    ``n`` counts the rows with mass (a fully masked row, e.g. a padding query, is left out).
     ``exclude_sink=True`` drops key 0 (the attention sink) and renormalises every row over the
     keys left; ``edges`` restricts to a subset of edges the same way. Then the mean runs over
     the rows that keep any mass (``n`` becomes their number); with no such row it is 0.
@@ -488,7 +642,7 @@ def walk_weighted_cv(
 ) -> Float[Tensor, " batch"]:
     """Walk-weighted coefficient of variation ``sqrt(sum p (v - m)^2) / m``, ``m = sum p v``.
 
-    ``p_ij`` are the weights of :func:`walk_weighted_mean` normalised to sum 1 (``W_ij / n`` for
+    ``p_ij`` are the weights of `walk_weighted_mean` normalised to sum 1 (``W_ij / n`` for
     a row-stochastic walk). ``0/0`` (all values 0, or no mass) is 0.
 
     >>> walk_weighted_cv(torch.full((1, 2, 2), 0.5), torch.full((1, 2, 2), 2.0))
@@ -513,8 +667,14 @@ def effective_transport_defect(
     W_O: Float[Tensor, "head d_head d_model"],
     *,
     exclude_sink: bool = False,
+    edges: Bool[Tensor, "batch query key"] | None = None,
+    query_chunk: int | None = None,
 ) -> Float[Tensor, " batch"]:
     """``(1/n) sum_ij W_ij eps(T_ij)`` with ``r = min(d_model, H d_head)`` (SPEC 3).
+
+    With ``edges`` (e.g. `heaviest_edges` of a mass share) ``eps`` is computed on those
+    edges only and the mean is `walk_weighted_mean` restricted to them (rows
+    renormalised over the kept edges). ``query_chunk``: see `edge_gram_defects`.
 
     >>> A = torch.softmax(torch.randn(1, 2, 4, 4), -1)
     >>> effective_transport_defect(A.mean(1), A / A.sum(1, keepdim=True),
@@ -522,8 +682,10 @@ def effective_transport_defect(
     torch.Size([1])
     """
     K2, K4 = gram_matrices(W_V, W_O)
-    eps = edge_gram_defects(gates, K2, K4, effective_rank(W_V, W_O), walk)
-    return walk_weighted_mean(walk, eps, exclude_sink=exclude_sink)
+    eps = edge_gram_defects(
+        gates, K2, K4, effective_rank(W_V, W_O), walk, edges=edges, query_chunk=query_chunk
+    )
+    return walk_weighted_mean(walk, eps, exclude_sink=exclude_sink, edges=edges)
 
 
 def common_scale(
@@ -533,6 +695,7 @@ def common_scale(
     W_O: Float[Tensor, "head d_head d_model"],
     *,
     exclude_sink: bool = False,
+    query_chunk: int | None = None,
 ) -> Float[Tensor, " batch"]:
     """The common scale ``s``: walk-weighted mean of ``||T_ij||_F / sqrt(r)`` (SPEC 4).
 
@@ -542,7 +705,9 @@ def common_scale(
     tensor([2.])
     """
     K2 = head_gram(W_V, W_O)
-    scale = edge_frobenius_scales(gates, K2, effective_rank(W_V, W_O), walk)
+    scale = edge_frobenius_scales(
+        gates, K2, effective_rank(W_V, W_O), walk, query_chunk=query_chunk
+    )
     return walk_weighted_mean(walk, scale, exclude_sink=exclude_sink)
 
 
@@ -571,7 +736,7 @@ def random_head_factors(
     target = head_gram(W_V, W_O).diagonal().clamp_min(0.0).sqrt()
     drawn = head_gram(rand_V, rand_O).diagonal().clamp_min(0.0).sqrt()
     factor = torch.where(drawn > 0, target / torch.where(drawn > 0, drawn, 1.0), 0.0).sqrt()
-    return rand_V * factor[:, None, None], rand_O * factor[:, None, None]
+    return rand_V.mul_(factor[:, None, None]), rand_O.mul_(factor[:, None, None])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -607,7 +772,7 @@ def random_baseline(
     *,
     seed: int | torch.Generator = 0,
 ) -> RandomBaseline:
-    """``measure(W_V', W_O')`` on ``n_draws`` random factor pairs (:func:`random_head_factors`).
+    """``measure(W_V', W_O')`` on ``n_draws`` random factor pairs (`random_head_factors`).
 
     Same shapes and same head Frobenius norms, Gaussian factors (SPEC 3). ``seed`` is an integer
     (a fresh generator on the weights' device) or a ``torch.Generator``.

@@ -21,6 +21,8 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from tl_connwalk.core.isometry import (
+    _check_chunk,
+    _query_chunks,
     check_flag,
     head_gram,
     head_mixed_gram,
@@ -123,7 +125,7 @@ def stationary_distribution(
     """The stationary distribution ``mu`` (``mu^T W = mu^T``, ``sum mu = 1``) of the walk.
 
     Rows are first normalised to sum 1 (float rounding in patterns is ignored). Where the walk
-    is reducible (:func:`is_irreducible` is False) there is no unique positive ``mu`` and the
+    is reducible (`is_irreducible` is False) there is no unique positive ``mu`` and the
     result is uniform, ``1/n``. With ``teleport=alpha`` it is instead the stationary
     distribution of ``alpha W + (1 - alpha) 11^T / n`` (PageRank; rows of ``W`` without mass
     jump uniformly), which always exists and is positive. Solved in float64.
@@ -229,6 +231,8 @@ def layer_drift(
 ) -> Float[Tensor, " batch"]:
     """``(1/n) sum_i TV(W^a_i., W^b_i.)``, ``TV`` half the L1 distance of two rows (SPEC 3).
 
+    The mean is over the rows with mass in either walk (a fully masked row, e.g. padding, is
+    not a row of the walk; none left: 0).
     ``exclude_sink=True`` drops key 0 and renormalises both walks' rows; rows left without
     mass in either walk are left out of the mean (``n`` counts the others; none left: 0).
 
@@ -246,8 +250,10 @@ def layer_drift(
         )
     dtype = working_dtype(walk_a, walk_b)
     if not exclude_sink:
-        tv = 0.5 * reduce((a64 - b64.to(a64.device)).abs(), "batch query key -> batch query", "sum")
-        return reduce(tv, "batch query -> batch", "mean").to(dtype)
+        b64 = b64.to(a64.device)
+        tv = 0.5 * reduce((a64 - b64).abs(), "batch query key -> batch query", "sum")
+        rows = ((a64.sum(-1) > 0) | (b64.sum(-1) > 0)).to(tv.dtype).sum(-1)
+        return torch.where(rows > 0, tv.sum(-1) / rows.clamp_min(1.0), 0.0).to(dtype)
     a64, b64 = a64[:, :, 1:], b64[:, :, 1:].to(a64.device)
     mass_a = reduce(a64, "batch query key -> batch query 1", "sum")
     mass_b = reduce(b64, "batch query key -> batch query 1", "sum")
@@ -265,15 +271,19 @@ def edge_pairing_residuals(
     gates: Float[Tensor, "batch head query key"],
     K2: Float[Tensor, "head head"],
     KM: Float[Tensor, "head head"],
+    *,
+    query_chunk: int | None = None,
 ) -> Float[Tensor, "batch query key"]:
     """``||T_ji - T_ij^T||_F / ||T_ij||_F`` on every pair ``(i, j)``, without forming ``T_ij``.
 
     ``||T_ji - T_ij^T||^2 = ||T_ji||^2 + ||T_ij||^2 - 2 tr(T_ij T_ji)`` with
     ``||T_ij||^2 = H^2 g_ij^T K2 g_ij`` and ``tr(T_ij T_ji) = H^2 g_ij^T KM g_ji``
-    (``K2`` from :func:`~tl_connwalk.core.isometry.head_gram`, ``KM`` from
-    :func:`~tl_connwalk.core.isometry.head_mixed_gram`). Where ``T_ij = 0`` the residual is
+    (``K2`` from `tl_connwalk.core.isometry.head_gram`, ``KM`` from
+    `tl_connwalk.core.isometry.head_mixed_gram`). Where ``T_ij = 0`` the residual is
     normalised by ``||T_ji||_F`` instead (so it is 1), and where both are 0 it is 0. Loses half
-    the working precision near 0 (a difference of nearly equal numbers).
+    the working precision near 0 (a difference of nearly equal numbers). Chunked over queries
+    (``query_chunk`` rows; ``None``: as many as fit ``isometry.CHUNK_ENTRIES`` numbers), with
+    the same result whatever the chunking.
 
     >>> K2 = head_gram(torch.randn(2, 8, 4), torch.randn(2, 4, 8))
     >>> KM = head_mixed_gram(torch.randn(2, 8, 4), torch.randn(2, 4, 8))
@@ -286,15 +296,24 @@ def edge_pairing_residuals(
             f"gates must be [batch, head, query, key] with head={n_heads} and query == key; "
             f"got {tuple(gates.shape)}."
         )
+    _check_chunk(query_chunk)
     dtype = working_dtype(gates, K2, KM)
     gates, K2, KM = (t.to(device=gates.device, dtype=dtype) for t in (gates, K2, KM))
-    reverse = rearrange(gates, "batch head query key -> batch head key query")
-    norm_sq = n_heads**2 * einsum(
-        gates, K2, gates, "batch a query key, a b, batch b query key -> batch query key"
-    )
-    cross = n_heads**2 * einsum(
-        gates, KM, reverse, "batch a query key, a b, batch b query key -> batch query key"
-    )
+    batch, _, n_query, n_key = gates.shape
+    norm_parts, cross_parts = [], []
+    for rows in _query_chunks(n_query, batch * n_heads * n_key, query_chunk):
+        g = gates[:, :, rows]
+        reverse = rearrange(gates[:, :, :, rows], "batch head key query -> batch head query key")
+        mixed = einsum(g, K2, "batch a query key, a b -> batch b query key")
+        norm_parts.append(
+            einsum(mixed, g, "batch b query key, batch b query key -> batch query key")
+        )
+        mixed = einsum(g, KM, "batch a query key, a b -> batch b query key")
+        cross_parts.append(
+            einsum(mixed, reverse, "batch b query key, batch b query key -> batch query key")
+        )
+    norm_sq = n_heads**2 * torch.cat(norm_parts, dim=1)
+    cross = n_heads**2 * torch.cat(cross_parts, dim=1)
     norm_sq_reverse = rearrange(norm_sq, "batch query key -> batch key query")
     gap = (norm_sq + norm_sq_reverse - 2 * cross).clamp_min(0.0)
     denom = torch.where(norm_sq > 0, norm_sq, norm_sq_reverse)
@@ -306,7 +325,7 @@ class PairingResidual:
     """The walk-weighted pairing residual, and whether it applies, per batch element.
 
     ``applicable[b]`` is False for a causal walk (no off-diagonal pair of positions with edges
-    both ways); there ``residual[b]`` is 0 and means nothing: read :meth:`values` instead.
+    both ways); there ``residual[b]`` is 0 and means nothing: read `values` instead.
     """
 
     residual: Float[Tensor, " batch"]
@@ -330,12 +349,13 @@ def pairing_residual(
     W_O: Float[Tensor, "head d_head d_model"],
     *,
     exclude_sink: bool = False,
+    query_chunk: int | None = None,
 ) -> PairingResidual:
     """The pairing residual ``||T_ji - T_ij^T||_F / ||T_ij||_F``, walk-weighted (SPEC 3).
 
     Averaged over the edges present in both directions (``W_ij > 0`` and ``W_ji > 0``,
     diagonal included: ``T_ii`` must be symmetric) with the restricted weights of
-    :func:`~tl_connwalk.core.isometry.walk_weighted_mean` (rows renormalised over those edges;
+    `tl_connwalk.core.isometry.walk_weighted_mean` (rows renormalised over those edges;
     ``exclude_sink`` also drops key 0). Not applicable (``applicable`` False) where no
     off-diagonal pair has edges both ways: a causal walk. Costs ``O(batch n^2 H^2)``.
 
@@ -350,7 +370,9 @@ def pairing_residual(
             f"gates {tuple(gates.shape)} and walk {tuple(walk64.shape)} disagree: need "
             "gates [batch, head, query, key] and walk [batch, query, key]."
         )
-    residual = edge_pairing_residuals(gates, head_gram(W_V, W_O), head_mixed_gram(W_V, W_O))
+    residual = edge_pairing_residuals(
+        gates, head_gram(W_V, W_O), head_mixed_gram(W_V, W_O), query_chunk=query_chunk
+    )
     present = walk64 > 0
     both = present & rearrange(present, "batch query key -> batch key query")
     off_diagonal = ~torch.eye(walk64.shape[-1], dtype=torch.bool, device=walk64.device)

@@ -1,0 +1,235 @@
+"""Geometry at scale: the mass-share restriction and query chunking (issues 3 and 8).
+
+References: the kept edges are chosen by a per-row Python loop; their defects come from SVDs of
+the materialised ``d_model x d_model`` transports (float64, closed form vs SVD to 1e-7
+absolute on values in [0, 1], as in test_isometry). Chunked results must equal the unchunked
+ones to 1e-6 relative in float32 and 1e-13 in float64 (not bitwise: see ``CHUNK_RTOL``).
+"""
+
+import json
+
+import pytest
+import torch
+
+from tests.core.problems import random_problem
+from tl_connwalk.core import field_defect, markov
+from tl_connwalk.core import isometry as iso
+from tl_connwalk.errors import ConnWalkError
+from tl_connwalk.walk import ConnectionWalk
+
+CLOSED_FORM_ATOL = 1e-7  # closed form vs per-edge SVD, float64
+SAME_PATH_ATOL = 1e-12  # listed-edge path vs all-edge path: same formula, other summation order
+# chunked vs unchunked: the same formula per entry, but BLAS may block a matmul differently for
+# a slice than for the whole, so the last bits can differ
+CHUNK_RTOL = {torch.float32: 1e-6, torch.float64: 1e-13}
+
+
+def ref_heaviest(walk, share):
+    keep = torch.zeros(walk.shape, dtype=torch.bool)
+    for b in range(walk.shape[0]):
+        for i in range(walk.shape[1]):
+            row = walk[b, i].tolist()
+            target = share * sum(row)
+            order = sorted(range(len(row)), key=lambda j: -row[j])
+            mass = 0.0
+            for j in order:
+                if row[j] <= 0 or mass >= target:
+                    break
+                keep[b, i, j] = True
+                mass += row[j]
+    return keep
+
+
+def ref_eps(T, rank):
+    sigma = torch.linalg.svdvals(T)[:rank]
+    s2, s4 = (sigma**2).sum(), (sigma**4).sum()
+    return (1 - s2**2 / (rank * s4)).clamp_min(0).sqrt() if s4 > 0 else torch.tensor(0.0)
+
+
+def ref_restricted_defect(walk, gates, W_V, W_O, keep):
+    """Materialise each kept edge, SVD it, average with rows renormalised over the kept edges."""
+    heads = W_V.shape[0]
+    rank = min(W_V.shape[1], heads * W_V.shape[2])
+    out = []
+    for b in range(walk.shape[0]):
+        total, rows = 0.0, 0
+        for i in range(walk.shape[1]):
+            row_mass = sum(walk[b, i, j] for j in range(walk.shape[2]) if keep[b, i, j])
+            if row_mass <= 0:
+                continue
+            rows += 1
+            for j in range(walk.shape[2]):
+                if keep[b, i, j]:
+                    T = heads * sum(gates[b, h, i, j] * W_V[h] @ W_O[h] for h in range(heads))
+                    total += walk[b, i, j] / row_mass * ref_eps(T, rank)
+        out.append(total / rows)
+    return torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in out])
+
+
+@pytest.mark.parametrize("share", [0.3, 0.7, 0.9, 0.99])
+@pytest.mark.parametrize("causal", [False, True])
+def test_heaviest_edges_match_a_row_by_row_reference(share, causal):
+    problem = random_problem(2, 3, 7, seed=4, causal=causal)
+    keep = iso.heaviest_edges(problem.walk, share)
+    torch.testing.assert_close(keep, ref_heaviest(problem.walk, share))
+    kept_mass = torch.where(keep, problem.walk, 0.0).sum(-1)
+    assert (kept_mass >= share * problem.walk.sum(-1) - 1e-12).all()
+    assert torch.equal(iso.heaviest_edges(problem.walk, 1.0), problem.walk > 0)
+
+
+@pytest.mark.parametrize("share", [0.5, 0.8, 0.95])
+@pytest.mark.parametrize("causal", [False, True])
+def test_restricted_defect_matches_materialised_kept_edges(share, causal, monkeypatch):
+    monkeypatch.setattr(iso, "CHUNK_ENTRIES", 64)  # several chunks of listed edges
+    problem = random_problem(2, 3, 6, d_model=8, d_head=2, seed=1, causal=causal)
+    walk, gates = problem.walk, problem.gates
+    keep = iso.heaviest_edges(walk, share)
+    assert keep.sum() < (walk > 0).sum()  # a real restriction
+    result = iso.effective_transport_defect(walk, gates, problem.W_V, problem.W_O, edges=keep)
+    expected = ref_restricted_defect(walk, gates, problem.W_V, problem.W_O, keep)
+    torch.testing.assert_close(result, expected, rtol=0, atol=CLOSED_FORM_ATOL)
+
+
+def test_listed_edges_equal_the_all_edge_path():
+    problem = random_problem(2, 4, 6, d_model=10, d_head=2, seed=2)
+    K2, K4 = iso.gram_matrices(problem.W_V, problem.W_O)
+    every = iso.edge_gram_defects(problem.gates, K2, K4, 8, problem.walk)
+    listed = iso.edge_gram_defects(problem.gates, K2, K4, 8, problem.walk, edges=problem.walk > 0)
+    torch.testing.assert_close(listed, every, rtol=0, atol=SAME_PATH_ATOL)
+    some = problem.walk > problem.walk.median()
+    only = iso.edge_gram_defects(problem.gates, K2, K4, 8, problem.walk, edges=some)
+    torch.testing.assert_close(only, torch.where(some, every, 0.0), rtol=0, atol=SAME_PATH_ATOL)
+
+
+def walk_of(problem):
+    return ConnectionWalk.from_pattern(problem.pattern, problem.field, problem.W_V, problem.W_O)
+
+
+@pytest.mark.parametrize("exclude_sink", [False, True])
+def test_laplacian_residual_mass_share(exclude_sink):
+    problem = random_problem(2, 3, 6, d_model=8, d_head=2, seed=5)
+    walk = walk_of(problem)
+    options = dict(exclude_sink=exclude_sink, baseline_draws=2)
+    every = walk.laplacian_residual(**options)
+    assert every.mass_share is None and every.mass_covered is None
+    full = walk.laplacian_residual(mass_share=1.0, **options)
+    assert torch.equal(full.transport_defect, every.transport_defect)
+    assert torch.equal(full.baseline["transport_defect"].draws,
+                       every.baseline["transport_defect"].draws)  # fmt: skip
+    torch.testing.assert_close(full.mass_covered, torch.ones(2, dtype=torch.float64))
+
+    part = walk.laplacian_residual(mass_share=0.8, **options)
+    considered = problem.walk.clone()
+    if exclude_sink:
+        considered[:, :, 0] = 0.0
+    keep = ref_heaviest(considered, 0.8)
+    expected = ref_restricted_defect(problem.walk, problem.gates, problem.W_V, problem.W_O, keep)
+    torch.testing.assert_close(part.transport_defect, expected, rtol=0, atol=CLOSED_FORM_ATOL)
+    covered = torch.where(keep, considered, 0.0).sum((1, 2)) / considered.sum((1, 2))
+    torch.testing.assert_close(part.mass_covered, covered)
+    assert (part.mass_covered >= 0.8).all() and (part.mass_covered < 1).all()
+    for name in ("scale", "field_defect", "reversibility", "head_defects"):  # untouched
+        assert torch.equal(getattr(part, name), getattr(every, name))
+    data = json.loads(json.dumps(part.to_dict()))
+    assert data["mass_share"] == 0.8 and len(data["mass_covered"]) == 2
+
+
+@pytest.mark.parametrize("share", [0.0, -0.1, 1.5, float("nan")])
+def test_bad_mass_share_is_refused(share):
+    with pytest.raises(ConnWalkError, match="mass_share"):
+        iso.heaviest_edges(torch.full((1, 2, 2), 0.5), share)
+
+
+# --- chunking over queries ----------------------------------------------------------------
+
+
+def chunk_close(chunked, whole):
+    """Equal up to ``CHUNK_RTOL`` times the largest value (matmul blocking differs by shape)."""
+    rtol = CHUNK_RTOL[whole.dtype]
+    scale = max(whole.abs().max().item(), 1e-30)
+    torch.testing.assert_close(chunked, whole, rtol=rtol, atol=rtol * scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+def test_chunked_per_edge_measurements_equal_unchunked(dtype, chunk):
+    problem = random_problem(2, 4, 7, d_model=10, d_head=2, seed=6, dtype=dtype)
+    W, g, X, W_V, W_O = problem.walk, problem.gates, problem.field, problem.W_V, problem.W_O
+    K2, K4 = iso.gram_matrices(W_V, W_O)
+    KM = iso.head_mixed_gram(W_V, W_O)
+    pairs = [
+        (
+            iso.edge_gram_defects(g, K2, K4, 8, W, query_chunk=chunk),
+            iso.edge_gram_defects(g, K2, K4, 8, W),
+        ),
+        (
+            iso.edge_frobenius_scales(g, K2, 8, W, query_chunk=chunk),
+            iso.edge_frobenius_scales(g, K2, 8, W),
+        ),
+        (
+            field_defect.message_norm_ratios(X, g, W_V, W_O, query_chunk=chunk),
+            field_defect.message_norm_ratios(X, g, W_V, W_O),
+        ),
+        (
+            markov.edge_pairing_residuals(g, K2, KM, query_chunk=chunk),
+            markov.edge_pairing_residuals(g, K2, KM),
+        ),
+    ]
+    for chunked, whole in pairs:
+        assert chunked.shape == whole.shape == W.shape
+        chunk_close(chunked, whole)
+
+
+@pytest.mark.parametrize("chunk", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_chunked_laplacian_residual_equals_unchunked(chunk, dtype):
+    problem = random_problem(2, 3, 6, d_model=8, d_head=2, seed=7, dtype=dtype)
+    walk = walk_of(problem)
+    whole = walk.laplacian_residual(baseline_draws=2, exact=True)
+    chunked = walk.laplacian_residual(baseline_draws=2, exact=True, query_chunk=chunk)
+    for name in ("transport_defect", "scale", "pairing", "field_defect", "head_field_defects"):
+        chunk_close(getattr(chunked, name), getattr(whole, name))
+    for name in ("transport_defect", "field_defect"):
+        chunk_close(chunked.baseline[name].draws, whole.baseline[name].draws)
+    chunk_close(chunked.nearest_operator.distance, whole.nearest_operator.distance)
+
+
+@pytest.mark.parametrize("chunk", [0, -3])
+def test_bad_query_chunk_is_refused(chunk):
+    problem = random_problem(1, 2, 3, d_model=4, d_head=2)
+    K2 = iso.head_gram(problem.W_V, problem.W_O)
+    with pytest.raises(ConnWalkError, match="query_chunk"):
+        iso.edge_frobenius_scales(problem.gates, K2, 4, query_chunk=chunk)
+
+
+def ref_head_field_defects(field, pattern, W_V, W_O, exclude_sink):
+    """Per head, the walk-weighted CV on the materialised pattern ``A^h`` (edges of every query)."""
+    heads = W_V.shape[0]
+    out = torch.zeros(pattern.shape[0], heads, dtype=torch.float64)
+    sent = field.norm(dim=-1) > 0
+    for h in range(heads):
+        rho = (field @ W_V[h] @ W_O[h]).norm(dim=-1) / field.norm(dim=-1).clamp_min(1e-300)
+        values = rho[:, None, :].expand(pattern[:, h].shape)
+        edges = None if sent.all() else sent[:, None, :].expand(pattern[:, h].shape)
+        out[:, h] = iso.walk_weighted_cv(
+            pattern[:, h], values, exclude_sink=exclude_sink, edges=edges
+        )
+    return out
+
+
+@pytest.mark.parametrize("exclude_sink", [False, True])
+@pytest.mark.parametrize("silent_key", [None, 2])
+@pytest.mark.parametrize("chunk", [None, 1, 3])
+def test_head_field_defects_from_column_weights(exclude_sink, silent_key, chunk):
+    problem = random_problem(2, 3, 6, d_model=8, d_head=2, seed=8, causal=True)
+    field = problem.field.clone()
+    if silent_key is not None:
+        field[:, silent_key] = 0.0
+    result = field_defect.head_field_isometry_defects(
+        field, problem.walk, problem.gates, problem.W_V, problem.W_O,
+        exclude_sink=exclude_sink, query_chunk=chunk,
+    )  # fmt: skip
+    expected = ref_head_field_defects(
+        field, problem.pattern, problem.W_V, problem.W_O, exclude_sink
+    )
+    torch.testing.assert_close(result, expected, rtol=1e-12, atol=1e-12)
