@@ -196,6 +196,30 @@ def analyze_throughput(
             "forward_tokens_per_s": n_tokens / t_ref, "ratio": ratio}  # fmt: skip
 
 
+def bridge_hook_overhead(n_pos: int, repeats: int) -> dict[str, float]:
+    """``hook_overhead`` on a random GPT-2 ``TransformerBridge`` (TransformerLens 3.x and 4.x)."""
+    size = dict(n_layers=4, d_model=256, n_heads=8, n_ctx=n_pos)
+    plain, attached = random_bridge("gpt2", **size), random_bridge("gpt2", **size)
+    tl_connwalk.attach(attached)
+    tokens = torch.randint(0, VOCAB, (4, n_pos))
+    points = ("conn_walk", "conn_gates", "conn_messages")
+    conn = [f"blocks.{layer}.attn.hook_{p}" for layer in range(4) for p in points]
+    inputs = [f"blocks.{layer}.attn.hook_{p}" for layer in range(4) for p in ("pattern", "v")]
+    with torch.no_grad():
+        _, _, idle = interleaved_ratio(lambda: attached(tokens), lambda: plain(tokens), repeats)
+        _, _, caching = interleaved_ratio(
+            lambda: attached.run_with_cache(tokens, names_filter=conn),
+            lambda: attached.run_with_cache(tokens, names_filter=inputs),
+            repeats,
+        )
+    tl_connwalk.detach(attached)
+    return {
+        "tokens": n_pos,
+        "attached_vs_plain_forward": idle,
+        "cache_conn_vs_cache_inputs": caching,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -214,6 +238,9 @@ def main() -> None:
         return
     if args.case == "hooks":
         print(json.dumps(hook_overhead(256, repeats=15)))
+        return
+    if args.case == "hooks_bridge":
+        print(json.dumps(bridge_hook_overhead(256, repeats=15)))
         return
     if args.case == "analyze":
         print(json.dumps(analyze_throughput()))

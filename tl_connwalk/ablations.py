@@ -16,7 +16,10 @@ head ``h`` sends from key ``j``) or ``hook_conn_gates`` (SPEC 1.2):
 
 The transport patches are exact maps on the messages, ``m'^h_j = m^h_j R^h``, equivalent to
 output weights ``W_O^h R^h`` with ``W_V^h`` and ``b_V^h`` kept (so ``b_V^h`` goes through the
-patched map like the rest of the value); see :mod:`tl_connwalk.core.transport_patches`.
+patched map like the rest of the value); see `tl_connwalk.core.transport_patches`.
+
+Works on ``HookedTransformer`` and decoder ``TransformerBridge`` models (grouped-query ``W_V``
+expanded here); a BERT Bridge refuses edits with `ConnWalkError` (see `tl_connwalk.bridge_hooks`).
 
 >>> tl_connwalk.attach(model)  # doctest: +SKIP
 >>> patch = isometric_transport(model, 3, head=5)  # doctest: +SKIP
@@ -34,6 +37,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformer_lens.hook_points import HookPoint
 
+from tl_connwalk.adapters.weights import expand_kv_heads
 from tl_connwalk.core.transport_patches import (
     apply_message_map,
     isometric_message_map,
@@ -127,7 +131,9 @@ def _transport_patch(
     attn = model.blocks[layer].attn
     heads = _head_index(_n_layers_heads(model)[1], head, layer)
     with torch.no_grad():
-        read, write = make_map(attn.W_V[heads].detach(), attn.W_O[heads].detach())
+        # the Bridge's W_V keeps the key-value heads of grouped-query models: expand them
+        W_V = expand_kv_heads(attn.W_V.detach(), attn.W_O.shape[0])
+        read, write = make_map(W_V[heads], attn.W_O[heads].detach())
 
     def hook(messages: Float[Tensor, "batch key head d_model"], hook: HookPoint) -> Tensor:
         index = _select(messages, heads)
@@ -157,7 +163,7 @@ def scalar_transport(model: Any, layer: int, head: Heads = None) -> list[Hook]:
     """Replace ``T^h = U S V^T`` by ``s U U^T``: scale ``s = mean sigma``, no turning.
 
     ``U U^T`` projects onto the column space of ``T^h`` (the directions the head reads), so each
-    read component is written back unrotated. As :func:`isometric_transport`, via
+    read component is written back unrotated. As `isometric_transport`, via
     ``m'^h_j = m^h_j s V S^-1 U^T``.
 
     >>> model.run_with_hooks(tokens, fwd_hooks=scalar_transport(model, 2))  # doctest: +SKIP

@@ -1,6 +1,6 @@
 """The connection-walk hook points of a ``HookedTransformer`` (SPEC section 1.2).
 
-:func:`install` gives every attention layer ``blocks.{l}.attn`` three new ``HookPoint`` s, listed
+`install` gives every attention layer ``blocks.{l}.attn`` three new ``HookPoint`` s, listed
 in ``model.hook_dict`` like TransformerLens's own, so that ``run_with_cache``, ``run_with_hooks``,
 ``model.hooks(...)`` and ``transformer_lens.patching`` reach them by name:
 
@@ -29,8 +29,8 @@ How, without copying TransformerLens's attention forward:
 - all state lives on the modules (and is copied by ``copy.deepcopy``); the forward hook is a
   module-level function that finds everything through the module it is called on.
 
-:func:`uninstall` undoes exactly this. Another plugin's subclass on ``hook_v``/``hook_pattern``
-is refused with :class:`~tl_connwalk.errors.ConnWalkError`, never silently wrapped.
+`uninstall` undoes exactly this. Another plugin's subclass on ``hook_v``/``hook_pattern``
+is refused with `tl_connwalk.errors.ConnWalkError`, never silently wrapped.
 
 >>> install(model)  # doctest: +SKIP
 >>> _, cache = model.run_with_cache(tokens, names_filter=hook_name(0, "walk"))  # doctest: +SKIP
@@ -108,7 +108,7 @@ def _edited(before: Tensor, after: Tensor, version: int, name: str | None) -> bo
 
 
 class _ValueHookPoint(HookPoint):
-    """``attn.hook_v`` after :func:`install`: hands its final value to the messages point."""
+    """``attn.hook_v`` after `install`: hands its final value to the messages point."""
 
     _conn: _ConnLayer
 
@@ -120,7 +120,7 @@ class _ValueHookPoint(HookPoint):
 
 
 class _PatternHookPoint(HookPoint):
-    """``attn.hook_pattern`` after :func:`install`: routes its final value through W and g."""
+    """``attn.hook_pattern`` after `install`: routes its final value through W and g."""
 
     _conn: _ConnLayer
 
@@ -188,7 +188,7 @@ def _messages(
     value: Float[Tensor, "batch key kv_head d_head"], W_O: Float[Tensor, "head d_head d_model"]
 ) -> Float[Tensor, "batch key head d_model"]:
     """``m^h_j = v^h_j W_O^h`` from the final value ``v = x W_V + b_V`` (the second half of
-    :func:`tl_connwalk.core.walk.head_messages`, which starts from the field ``x``)."""
+    `tl_connwalk.core.walk.head_messages`, which starts from the field ``x``)."""
     repeats = W_O.shape[0] // value.shape[2]
     if repeats > 1:  # grouped-query: head h reads value head h // repeats
         value = torch.repeat_interleave(value, repeats, dim=2)
@@ -215,6 +215,13 @@ def _apply_message_edits(module: nn.Module, args: Any, output: Tensor) -> Tensor
     clip = getattr(module.cfg, "clip_qkv", None)
     if clip is not None:  # the attention forward clamps v after hook_v
         value = value.clamp(-clip, clip)
+    return _correction(conn, value, pattern, W_O, output)
+
+
+def _correction(
+    conn: _ConnLayer, value: Tensor, pattern: Tensor, W_O: Tensor, output: Tensor
+) -> Tensor | None:
+    """Run the messages through their point; ``output + sum_h A^h (m'^h - m^h)`` if edited."""
     messages = _messages(value, W_O)
     version = messages._version
     new_messages = conn.messages(messages)
@@ -272,7 +279,7 @@ def install(model: nn.Module) -> None:
     """Add ``hook_conn_walk``, ``hook_conn_gates``, ``hook_conn_messages`` to every attention layer.
 
     Idempotent. Changes no parameter, buffer or output: until a hook edits one of the new points
-    the model computes exactly what it did before. Raises :class:`ConnWalkError` (and changes
+    the model computes exactly what it did before. Raises `ConnWalkError` (and changes
     nothing) on a model that is not a ``HookedRootModule``, or whose ``hook_v``/``hook_pattern``
     another plugin already replaced.
 
@@ -301,7 +308,7 @@ def install(model: nn.Module) -> None:
 
 
 def uninstall(model: nn.Module) -> None:
-    """Undo :func:`install` exactly: classes, submodules, ``hook_dict``/``mod_dict``, forward hook.
+    """Undo `install` exactly: classes, submodules, ``hook_dict``/``mod_dict``, forward hook.
 
     Hooks attached to the new points go with them. A no-op on a model without the points.
     """

@@ -2,7 +2,8 @@
 
 ``import tl_connwalk`` changes nothing. ``attach(model)`` checks the model is supported, adds
 the connection-walk hook points to ``HookedTransformer``/``HookedEncoder`` models
-(:mod:`tl_connwalk.hooks`; not yet to ``TransformerBridge``) and registers the cache methods on
+and ``TransformerBridge`` models
+(`tl_connwalk.hooks`, `tl_connwalk.bridge_hooks`) and registers the cache methods on
 ``ActivationCache`` (``cache.connection_walk(layer)``), refusing to overwrite an attribute it
 did not create; ``detach(model)`` undoes exactly that. Methods on
 the class, not a cache subclass, because TransformerLens builds plain ``ActivationCache``
@@ -15,9 +16,10 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
-from transformer_lens import ActivationCache, HookedRootModule
+from transformer_lens import ActivationCache
+from transformer_lens.model_bridge import TransformerBridge
 
-from tl_connwalk import hooks
+from tl_connwalk import bridge_hooks, hooks
 from tl_connwalk.adapters import adapter_for
 from tl_connwalk.analysis import geometry_table, layer_drift
 from tl_connwalk.cache import connection_walk, laplacian_residual
@@ -66,6 +68,11 @@ def _unregister_cache_methods() -> None:
             delattr(ActivationCache, name)
 
 
+def _hooks_module(model: nn.Module) -> Any:
+    """`tl_connwalk.bridge_hooks` for a ``TransformerBridge``, else `tl_connwalk.hooks`."""
+    return bridge_hooks if isinstance(model, TransformerBridge) else hooks
+
+
 def is_attached(model: nn.Module) -> bool:
     """Whether ``attach(model)`` is in effect."""
     return model in _attached
@@ -76,8 +83,9 @@ def attach(model: nn.Module) -> nn.Module:
 
     ``cache.connection_walk(layer)``, ``cache.laplacian_residual(layer)``,
     ``cache.layer_drift()``, ``cache.geometry_table()`` on its caches, and on
-    ``HookedTransformer``/``HookedEncoder`` the hook points ``blocks.{l}.attn.hook_conn_walk``,
-    ``hook_conn_gates`` and ``hook_conn_messages`` (:mod:`tl_connwalk.hooks`). Idempotent;
+    ``HookedTransformer``/``HookedEncoder``/``TransformerBridge`` the hook points
+    ``blocks.{l}.attn.hook_conn_walk``, ``hook_conn_gates`` and ``hook_conn_messages``
+    (`tl_connwalk.hooks`, `tl_connwalk.bridge_hooks`). Idempotent;
     changes no parameter, buffer, output or config. Returns ``model``.
 
     >>> tl_connwalk.attach(model)  # doctest: +SKIP
@@ -86,17 +94,15 @@ def attach(model: nn.Module) -> nn.Module:
     """
     adapter_for(model)  # refuse unsupported models before touching anything
     _check_cache_methods()
-    if isinstance(model, HookedRootModule):
-        hooks.install(model)
+    _hooks_module(model).install(model)
     _register_cache_methods()
     _attached.add(model)
     return model
 
 
 def detach(model: nn.Module) -> nn.Module:
-    """Undo :func:`attach` exactly; the cache methods go with the last attached model."""
-    if isinstance(model, HookedRootModule):
-        hooks.uninstall(model)
+    """Undo `attach` exactly; the cache methods go with the last attached model."""
+    _hooks_module(model).uninstall(model)
     _attached.discard(model)
     if not _attached:
         _unregister_cache_methods()
