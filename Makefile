@@ -22,9 +22,18 @@ setup: $(VENV)/.installed
 
 # The documentation site (mkdocs.yml, docs/): the `docs` extra in the same $(VENV), after the
 # CPU torch that setup installs; `mkdocs build --strict` turns every warning into an error.
+# MathJax for the offline site: the static files of jupyter-server-mathjax, without the
+# Jupyter server it extends (hence --no-deps; docs/hooks.py copies them into site/).
 $(VENV)/.docs-installed: $(VENV)/.installed
 	$(BIN)/pip install --quiet -e ".[docs]" "$(TL)" -c requirements/dev-constraints.txt
+	$(BIN)/pip install --quiet --no-deps jupyter-server-mathjax -c requirements/dev-constraints.txt
 	touch $@
+
+# The tutorial pages: each notebook executed (inline figures) and rendered into the git-ignored
+# docs/tutorials/ by docs/build_tutorials.py; redone when its notebook or the package changes.
+TUTORIAL_PAGES := $(patsubst tutorials/%.ipynb,docs/tutorials/%.md,$(wildcard tutorials/[0-9]*.ipynb))
+docs/tutorials/%.md: tutorials/%.ipynb docs/build_tutorials.py $(shell find tl_connwalk -name '*.py') | $(VENV)/.docs-installed
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python docs/build_tutorials.py $<
 
 report: setup  # the main job: the geometry report of the default model (smollm2-135m)
 	$(BIN)/tl-connwalk report --overwrite
@@ -43,8 +52,8 @@ test: lint
 test-tl4:
 	$(MAKE) test VENV=.venv-tl4 TL=transformer-lens==4.3.0
 
-docs: $(VENV)/.docs-installed  # NO_MKDOCS_2_WARNING: silence the theme's end-of-life banner
+docs: $(VENV)/.docs-installed $(TUTORIAL_PAGES)  # NO_MKDOCS_2_WARNING: silence the theme's end-of-life banner
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
-docs-serve: $(VENV)/.docs-installed  # local preview at http://127.0.0.1:8000
+docs-serve: $(VENV)/.docs-installed $(TUTORIAL_PAGES)  # local preview at http://127.0.0.1:8000
 	$(BIN)/mkdocs serve

@@ -5,6 +5,7 @@ package's source, without importing mkdocs. ``make docs`` then builds the site s
 """
 
 import ast
+import base64
 import importlib
 import importlib.util
 import inspect
@@ -111,3 +112,115 @@ def test_public_name_is_in_the_api_reference(name):
         f"from '::: tl_connwalk'?): add '::: {obj.__module__}.{obj.__qualname__}' to "
         "docs/api/index.md"
     )
+
+
+# --- the site builds offline: tutorials, benchmarks and MathJax come from the repository ---
+
+ROOT = DOCS.parent
+
+
+def docs_module(name: str) -> ModuleType:
+    """A helper script of docs/ (not a package), imported from its file."""
+    spec = importlib.util.spec_from_file_location(f"docs_{name}", DOCS / f"{name}.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def mkdocs_config() -> dict[str, Any]:
+    yaml = pytest.importorskip("yaml")
+    config: dict[str, Any] = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    return config
+
+
+def test_mkdocs_config_loads_nothing_from_other_hosts():
+    config = mkdocs_config()
+    assert config["theme"].get("font") is False, "theme fonts would come from Google Fonts"
+    for entry in [*config.get("extra_javascript", []), *config.get("extra_css", [])]:
+        url = entry if isinstance(entry, str) else entry["path"]
+        assert "//" not in url, f"mkdocs.yml loads {url} from another host"
+
+
+def test_external_resources_finds_remote_scripts_and_links_only():
+    hooks = docs_module("hooks")
+    html = (
+        '<script src="https://cdn.example/a.js"></script><script src="../b.js"></script>'
+        "<link rel=stylesheet href=//fonts.example/c.css><link href='d.css' rel=stylesheet>"
+        '<a href="https://github.com/x">a link is fine</a><script>var s = "http://x";</script>'
+    )
+    assert hooks.external_resources(html) == ["https://cdn.example/a.js", "//fonts.example/c.css"]
+
+
+def test_built_site_loads_nothing_from_other_hosts():
+    """Checks `site/` when `make docs` has built it (the build's own hook checks it too)."""
+    site = ROOT / "site"
+    if not (site / "index.html").is_file():
+        pytest.skip("no built site: run `make docs`")
+    hooks = docs_module("hooks")
+    for page in site.rglob("*.html"):
+        assert not hooks.external_resources(page.read_text(encoding="utf-8")), page
+    assert (site / hooks.VENDOR / "MathJax.js").is_file()
+    assert (site / hooks.VENDOR / "LICENSE").is_file()
+
+
+def test_benchmarks_page_includes_the_benchmarks_readme():
+    page = (DOCS / "benchmarks.md").read_text()
+    assert '--8<-- "benchmarks/README.md"' in page
+    assert (ROOT / "benchmarks" / "README.md").is_file()
+    extensions = mkdocs_config()["markdown_extensions"]
+    assert any(isinstance(e, dict) and "pymdownx.snippets" in e for e in extensions)
+
+
+def test_every_tutorial_has_a_page_in_the_nav():
+    nav = str(mkdocs_config()["nav"])
+    for notebook in sorted((ROOT / "tutorials").glob("[0-9]*.ipynb")):
+        assert f"tutorials/{notebook.stem}.md" in nav, f"{notebook.name} is not in mkdocs.yml"
+
+
+def test_render_tutorial_writes_code_text_and_figures(tmp_path):
+    nbformat = pytest.importorskip("nbformat")
+    build = docs_module("build_tutorials")
+    png = b"\x89PNG\r\n\x1a\n fake"
+    figure = nbformat.v4.new_output(
+        "display_data", data={"image/png": base64.b64encode(png).decode(), "text/plain": "F"}
+    )
+    notebook = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_markdown_cell("# Title\n\nProse."),
+            nbformat.v4.new_code_cell(
+                "print('hi')\nplt.show()",
+                outputs=[
+                    nbformat.v4.new_output("stream", name="stdout", text="hi\n"),
+                    nbformat.v4.new_output("stream", name="stderr", text="progress 50%\n"),
+                    figure,
+                ],
+            ),
+            nbformat.v4.new_code_cell(
+                "x", outputs=[nbformat.v4.new_output("execute_result", data={"text/plain": "1"})]
+            ),
+        ]
+    )
+    page = build.render(notebook, "09_demo", tmp_path)
+    assert page.index("# Title") < page.index("```python\nprint('hi')") < page.index("```\nhi\n```")
+    assert "![Figure 1 of 09_demo](09_demo_1.png)" in page
+    assert (tmp_path / "09_demo_1.png").read_bytes() == png
+    assert "```\n1\n```" in page
+    assert "progress" not in page
+    notebook.cells[1].outputs.append(
+        nbformat.v4.new_output("error", ename="ValueError", evalue="bad", traceback=[])
+    )
+    with pytest.raises(RuntimeError, match="09_demo: ValueError: bad"):
+        build.render(notebook, "09_demo", tmp_path)
+
+
+def test_build_hook_copies_mathjax_and_rejects_remote_scripts(tmp_path):
+    if importlib.util.find_spec("jupyter_server_mathjax") is None:
+        pytest.skip("jupyter-server-mathjax is installed by `make docs`")
+    hooks = docs_module("hooks")
+    (tmp_path / "index.html").write_text('<script src="mathjax.js"></script>')
+    hooks.on_post_build({"site_dir": str(tmp_path)})
+    assert (tmp_path / hooks.VENDOR / "MathJax.js").is_file()
+    (tmp_path / "page.html").write_text('<script src="https://cdn.example/m.js"></script>')
+    with pytest.raises(RuntimeError, match=r"page\.html.*https://cdn\.example/m\.js"):
+        hooks.on_post_build({"site_dir": str(tmp_path)})

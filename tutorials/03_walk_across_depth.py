@@ -33,6 +33,7 @@
 # %% tags=["parameters"]
 MODEL = "smollm2-135m"
 DEVICE = "cpu"
+BACKEND = "hooked"  # "bridge": TransformerBridge, the only backend on TransformerLens 4.x
 N_TOKENS = 256
 
 # %%
@@ -45,13 +46,13 @@ from tl_connwalk import zoo
 from tl_connwalk.core import markov
 
 torch.set_grad_enabled(False)
-model = zoo.load(MODEL, device=DEVICE)
+model = zoo.load(MODEL, backend=BACKEND, device=DEVICE)
 tl_connwalk.attach(model)
 tokens = model.to_tokens(zoo.default_text())[:, :N_TOKENS]
 _, cache = model.run_with_cache(tokens)
 n_layers = model.cfg.n_layers
 walks = [cache.connection_walk(layer).walk for layer in range(n_layers)]
-print(model.cfg.model_name, f"{n_layers} layers, {tokens.shape[-1]} tokens")
+print(MODEL, BACKEND, f"{n_layers} layers, {tokens.shape[-1]} tokens")
 
 # %% [markdown]
 # ## Distance between the walks of every pair of layers
@@ -209,11 +210,13 @@ U = U / U.sum(-1, keepdim=True)
 ax.plot(torch.linalg.svdvals(U), color="0.5", lw=2, ls="--", label="uniform causal walk")
 sm = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(0, n_layers - 1))
 fig.colorbar(sm, ax=ax, label="layer")
+ax.axhline(1, color="k", lw=0.8, ls=":", label="sigma = 1 (a permutation keeps all at 1)")
 ax.set(
     yscale="log",
-    xlabel="index k",
+    ylim=(1e-4, None),  # the last few values of a near-singular walk drop to rounding level
+    xlabel="index k (largest first)",
     ylabel="singular value sigma_k of W (log scale)",
-    title="singular values of the walk by layer",
+    title=f"singular values of the walk by layer, {MODEL}, {n} tokens",
 )
 ax.legend()
 fig.tight_layout()

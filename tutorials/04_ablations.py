@@ -66,18 +66,26 @@ gap = (pivot["zero"] - pivot["tl_zero (hook_z)"]).abs().max()
 print(f"max |zero - hook_z| over layers: {gap:.2e} nats")
 
 # %%
-fig, ax = plt.subplots(figsize=(9, 4.5))
+fig, ax = plt.subplots(figsize=(10, 4.8))
 for k, name in enumerate(["zero", "mean", "isometric", "scalar", "uniform_gates"]):
     ax.plot(pivot.index, pivot[name], f"C{k}-o", ms=4, label=name)
 ax.plot(pivot.index, pivot["tl_zero (hook_z)"], "kx", ms=8, label="TransformerLens zero at hook_z")
-ax.axhline(0, color="0.5", lw=1, ls="--", label="clean model (no change)")
+ax.axhline(0, color="0.5", lw=1, ls="--", label="clean model (Δ loss = 0)")
+# symlog: linear within ±0.01 nats (the TOL used below), logarithmic beyond, so the small
+# costs of deep layers and the large ones of layer 0 are both readable
+ax.set_yscale("symlog", linthresh=0.01, linscale=0.5)
+low = -(10 ** np.ceil(np.log10(max(-pivot.min().min(), 0.01))))  # a decade tick below the data
+high = 10 ** np.ceil(np.log10(max(pivot.max().max(), 0.01)))  # and one above
+ticks = [t for t in (-10, -1, -0.1, -0.01, 0, 0.01, 0.1, 1, 10, 100) if low <= t <= high]
+ax.set_yticks(ticks, labels=[f"{t:g}" for t in ticks])
+ax.grid(axis="y", color="0.9")
+ax.set_xticks(pivot.index)
 ax.set(
-    xlabel="layer (whole layer patched)",
+    xlabel="layer (all heads of the layer patched)",
     ylabel="Δ loss (nats/token, ablated - clean)",
-    title=f"ablations, {MODEL}, {tokens.shape[-1]} tokens",
-    yscale="symlog",
+    title=f"next-token loss change per ablation, {MODEL}, {tokens.shape[-1]} tokens",
 )
-ax.legend(fontsize=7)
+ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0))
 fig.tight_layout()
 plt.show()
 

@@ -33,6 +33,7 @@
 MODELS = ["smollm2-135m", "minilm-l6"]
 INCLUDE_GEMMA = False
 DEVICE = "cpu"
+BACKEND = "hooked"  # "bridge": TransformerBridge, the only backend on TransformerLens 4.x
 N_TOKENS = 128
 LAYERS_PER_MODEL = 6  # geometry is measured on this many evenly spaced layers
 BASELINE_DRAWS = 3
@@ -44,7 +45,6 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
-from transformer_lens import HookedEncoder
 
 import tl_connwalk
 from tl_connwalk import zoo
@@ -55,8 +55,12 @@ if INCLUDE_GEMMA and "gemma3-270m" not in MODELS:
 text = zoo.default_text()
 
 
+def is_encoder(model):
+    return model.cfg.attention_dir == "bidirectional"  # BERT-style encoders
+
+
 def tokens_for(model):
-    if isinstance(model, HookedEncoder):
+    if is_encoder(model):
         return model.tokenizer(
             text[: 20 * N_TOKENS], return_tensors="pt", truncation=True, max_length=N_TOKENS
         )["input_ids"].to(DEVICE)
@@ -65,7 +69,7 @@ def tokens_for(model):
 
 results, drifts, info = [], {}, {}
 for name in MODELS:
-    model = zoo.load(name, device=DEVICE)
+    model = zoo.load(name, backend=BACKEND, device=DEVICE)
     tl_connwalk.attach(model)
     _, cache = model.run_with_cache(tokens_for(model))
     n_layers = model.cfg.n_layers
@@ -86,7 +90,7 @@ for name in MODELS:
         results.append(t)
         drifts[name, sink] = tl_connwalk.layer_drift(cache, exclude_sink=sink).mean(0).cpu().numpy()
     info[name] = dict(
-        kind="encoder" if isinstance(model, HookedEncoder) else "decoder",
+        kind="encoder" if is_encoder(model) else "decoder",
         params=sum(p.numel() for p in model.parameters()),
         layers=n_layers,
         heads=model.cfg.n_heads,

@@ -123,21 +123,21 @@ def nearest_connection_operator_distance(
     """``||P - P*||_F / ||P||_F`` to the nearest random-walk connection operator (SPEC 4).
 
     ``P`` is the connection walk with ``W_ij`` and ``T_ij = H sum_h g^h_ij W_V^h W_O^h``;
-    ``P*`` has the walk :func:`reversibilised_walk` ``W*`` (of ``mu``, e.g. the ``mu`` of
-    :func:`~tl_connwalk.core.markov.reversibility_residual`) and the transports
-    ``s O*_ij``, ``O*_ij`` = :func:`polar_factor` of ``(T_ij + T_ji^T) / 2`` (``s`` e.g.
-    :func:`~tl_connwalk.core.isometry.common_scale`, one per batch element)::
+    ``P*`` has the walk `reversibilised_walk` ``W*`` (of ``mu``, e.g. the ``mu`` of
+    `reversibility_residual`) and the transports
+    ``s O*_ij``, ``O*_ij`` = `polar_factor` of ``(T_ij + T_ji^T) / 2`` (``s`` e.g.
+    `common_scale`, one per batch element)::
 
         ||P - P*||_F^2 = sum_ij ||W_ij T_ij - W*_ij s O*_ij||_F^2
         ||P||_F^2      = sum_ij W_ij^2 ||T_ij||_F^2
 
     over the edges ``W_ij > 0`` or ``W*_ij > 0`` (a causal walk's reverse edges count: ``P*``
     has them). ``T_ij`` on a pair with ``W_ij = 0`` is whatever the gates give there
-    (:func:`~tl_connwalk.core.walk.gates` puts uniform gates, ``T_ij = sum_h T^h``).
+    (`gates` puts uniform gates, ``T_ij = sum_h T^h``).
 
     Conventions: ``0/0`` (``P = P* = 0``) is 0; ``||P||_F = 0 < ||P - P*||_F`` is ``inf``.
     Where ``(T_ij + T_ji^T) / 2`` is singular its polar factor is not unique (see
-    :func:`polar_factor`); the distance depends on that choice only through
+    `polar_factor`); the distance depends on that choice only through
     ``<U_0^T A_ij V_0, .>``, ``A_ij = (T_ij - T_ji^T) / 2`` restricted to the null spaces, so not
     at all for paired transports (``T_ji = T_ij^T``) or invertible symmetrisations (e.g.
     generic ``T_ij`` with ``d_model <= H d_head``).
@@ -145,7 +145,7 @@ def nearest_connection_operator_distance(
     Cost: one ``d_model x d_model`` SVD per edge, ``O(batch n^2 d_model^3)`` time; memory
     chunked to ``CHUNK_ENTRIES`` numbers. With ``max_edges`` set and a batch element having
     more edges, a uniform sample of ``max_edges`` of them is used instead (``exact`` False;
-    see :class:`NearestOperatorDistance`).
+    see `NearestOperatorDistance`).
 
     >>> A = torch.softmax(torch.randn(1, 2, 4, 4), -1)
     >>> W, g = A.mean(1), A / A.sum(1, keepdim=True)

@@ -11,7 +11,7 @@ walk ``(W, T)``::
     T_ij   = H sum_h g^h_ij T^h
     c_i    = sum_h (sum_j A^h_ij) b_V^h W_O^h + b_O
 
-and ``W_ij T_ij = sum_h A^h_ij T^h`` edge by edge, which is how :func:`propagate` evaluates
+and ``W_ij T_ij = sum_h A^h_ij T^h`` edge by edge, which is how `propagate` evaluates
 ``P X`` without ever forming a ``d_model x d_model`` map per edge.
 """
 
@@ -36,7 +36,7 @@ def gates(pattern: Float[Tensor, "batch head query key"]) -> Float[Tensor, "batc
     """The gates ``g^h_ij = A^h_ij / sum_h' A^h'_ij`` (SPEC 1.2), uniform ``1/H`` on non-edges.
 
     ``g >= 0`` and ``sum_h g^h_ij = 1`` on every pair ``(i, j)``, edge or not, so that
-    :func:`patterns_from_walk` inverts the split exactly.
+    `patterns_from_walk` inverts the split exactly.
 
     >>> g = gates(torch.softmax(torch.randn(1, 3, 4, 4), -1))
     >>> g.sum(1)  # all ones  # doctest: +SKIP
@@ -54,7 +54,7 @@ def patterns_from_walk(
 ) -> Float[Tensor, "batch head query key"]:
     """Recombine a walk and its gates into per-head patterns ``A^h_ij = H W_ij g^h_ij``.
 
-    The inverse of (:func:`walk_matrix`, :func:`gates`) up to rounding.
+    The inverse of (`walk_matrix`, `gates`) up to rounding.
 
     >>> A = torch.softmax(torch.randn(1, 2, 3, 3), -1)
     >>> torch.allclose(patterns_from_walk(walk_matrix(A), gates(A)), A)
@@ -168,7 +168,7 @@ class EffectiveTransport:
     """All edges' effective transports ``T_ij``, held lazily as gates and head factors.
 
     Never materialises ``n^2 d_model^2`` numbers: indexing one edge gives its
-    ``FactoredMatrix`` (:func:`edge_transport`), ``[batch, d_model, d_model]``.
+    ``FactoredMatrix`` (`edge_transport`), ``[batch, d_model, d_model]``.
 
     >>> A = torch.softmax(torch.randn(1, 2, 3, 3), -1)
     >>> T = EffectiveTransport(gates(A), torch.randn(2, 8, 4), torch.randn(2, 4, 8))

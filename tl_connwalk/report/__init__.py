@@ -3,7 +3,7 @@
 >>> from tl_connwalk.report import ReportConfig, run_report
 >>> run_report(ReportConfig(model="toy-gpt2", out=Path("toy-report")))  # doctest: +SKIP
 
-See :mod:`tl_connwalk.report.run` for what the folder holds. Modules: ``inputs`` (model and
+See `tl_connwalk.report.run` for what the folder holds. Modules: ``inputs`` (model and
 tokens), ``measure`` (per-layer measurements), ``findings`` (headline numbers), ``figures``
 (PNG), ``html`` (``index.html``), ``terminal`` (the rich summary), ``run`` (the job).
 """

@@ -1,11 +1,11 @@
 """What a report reads: the model (a zoo name, a local directory or a toy) and its tokens.
 
 Model names are resolved in this order: ``toy-<arch>`` (a random offline ``TransformerBridge``
-from :mod:`tl_connwalk.toy`, for tests and quick tries), then anything
-:func:`tl_connwalk.zoo.load` accepts (a zoo name such as ``smollm2-135m``, a local Hugging Face
+from `tl_connwalk.toy`, for tests and quick tries), then anything
+`tl_connwalk.zoo.load` accepts (a zoo name such as ``smollm2-135m``, a local Hugging Face
 directory, or a TransformerLens model name where a hub is reachable). Text comes from a file,
 from every ``*.txt`` file of a folder (sorted by name, joined with blank lines), or by default
-from :func:`tl_connwalk.zoo.default_text`; it is tokenized as one sequence (the model's BOS
+from `tl_connwalk.zoo.default_text`; it is tokenized as one sequence (the model's BOS
 token first, as TransformerLens prepends it) and cut to ``max_tokens``.
 """
 
@@ -35,7 +35,7 @@ def load_model(
 ) -> tuple[nn.Module, Backend]:
     """The model ``name`` on ``device`` in ``dtype``, and the backend it was loaded with.
 
-    ``backend=None`` picks ``"bridge"`` for toy models (the only kind :mod:`tl_connwalk.toy`
+    ``backend=None`` picks ``"bridge"`` for toy models (the only kind `tl_connwalk.toy`
     builds) and ``"hooked"`` otherwise.
     """
     if dtype not in DTYPES:

@@ -1,8 +1,8 @@
 """The report job: model and text in, a folder with the model's connection-walk geometry out.
 
-:func:`run_report` loads the model, runs it once on the text keeping only the hooks the walks
+`run_report` loads the model, runs it once on the text keeping only the hooks the walks
 need, measures every chosen layer (identity check, laplacian residual with and without the
-sink, :func:`~tl_connwalk.analysis.geometry_table` with a progress bar, layer drift) and writes
+sink, `geometry_table` with a progress bar, layer drift) and writes
 
     report.json      run metadata, per-layer processing, identity errors, every
                      LaplacianResidual.to_dict() (sink kept and excluded), drift, findings

