@@ -7,7 +7,7 @@ import torch
 from transformer_lens import ActivationCache, HookedRootModule
 
 import tl_connwalk
-from tests.architectures import tokens
+from tests.architectures import attention_output, tokens
 from tests.tolerances import assert_close
 from tl_connwalk.toy import random_bridge
 
@@ -98,3 +98,39 @@ def test_attach_adds_the_conn_hook_points_and_detach_removes_them(gpt2):
     finally:
         tl_connwalk.detach(gpt2)
     assert not any("hook_conn" in name for name in gpt2.hook_dict)
+
+
+class _UserError(Exception):
+    pass
+
+
+def _raise(tensor, hook):
+    raise _UserError(hook.name)
+
+
+@pytest.mark.parametrize("point", ["hook_conn_walk", "hook_conn_gates", "hook_conn_messages"])
+def test_a_raising_user_hook_leaves_no_hook_and_no_stale_state(gpt2, point):
+    """A user's hook that raises mid-forward: every hook is removed and the next pass is exact.
+
+    Both ways of adding hooks (``run_with_hooks`` and the ``model.hooks`` context), on
+    whichever model class this TransformerLens offers.
+    """
+    toks = tokens()
+    plain = gpt2(toks)
+    tl_connwalk.attach(gpt2)
+    try:
+        name = f"blocks.1.attn.{point}"
+        with pytest.raises(_UserError):
+            gpt2.run_with_hooks(toks, fwd_hooks=[(name, _raise)])
+        with pytest.raises(_UserError), gpt2.hooks(fwd_hooks=[(name, _raise)]):
+            gpt2(toks)
+        leftover = [n for n, hp in gpt2.hook_dict.items() if hp.fwd_hooks or hp.bwd_hooks]
+        assert leftover == []
+        assert torch.equal(gpt2(toks), plain)
+        _, cache = gpt2.run_with_cache(toks)
+        walk = cache.connection_walk(1)
+        assert_close(cache["blocks.1.attn.hook_conn_walk"], walk.walk)
+        assert_close(walk.apply() + walk.bias(), attention_output(gpt2, cache, 1))
+    finally:
+        tl_connwalk.detach(gpt2)
+    assert torch.equal(gpt2(toks), plain)

@@ -254,3 +254,49 @@ def test_bert_allows_reading_and_no_op_patches(bridge):
     plain, cache = bridge.run_with_cache(toks(), names_filter=names)
     put = lambda t, hook: cache[hook.name].clone()  # noqa: E731
     assert torch.equal(bridge.run_with_hooks(toks(), fwd_hooks=[(n, put) for n in names]), plain)
+
+
+@pytest.mark.parametrize("bridge", DECODERS, indirect=True)
+def test_transformer_lens_patching_on_new_names(bridge):
+    """``transformer_lens.patching.generic_activation_patch`` drives the points on the Bridge.
+
+    Each head's clean messages patched into a corrupted run, by ``patching`` and by hand with
+    ``run_with_hooks``: the same metric; and the patch changes it.
+    """
+    import pandas as pd
+    from transformer_lens import patching
+
+    name = hook_name(LAYER, "messages")
+    clean, corrupted = toks(), toks().flip(-1)
+    _, clean_cache = bridge.run_with_cache(clean, names_filter=[name])
+    n_heads = clean_cache[name].shape[2]
+
+    def metric(logits):
+        return logits[:, -1, 0].mean()
+
+    def setter(activation, index, clean_activation):
+        activation[:, :, index[1]] = clean_activation[:, :, index[1]]
+        return activation
+
+    index_df = pd.DataFrame({"layer": pd.Series([None] * n_heads, dtype=object)})
+    index_df["head"] = range(n_heads)
+    result = patching.generic_activation_patch(
+        bridge, corrupted, clean_cache, metric, setter, name, index_df=index_df
+    )
+    for head in range(n_heads):
+        hook = lambda m, hook, h=head: setter(m, [None, h], clean_cache[name])  # noqa: E731
+        expected = metric(bridge.run_with_hooks(corrupted, fwd_hooks=[(name, hook)]))
+        assert_close(result[head], expected)
+    assert not torch.allclose(result, metric(bridge(corrupted)))
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_new_points_take_the_models_mode(training):
+    """A model in eval mode stays all in eval mode (TransformerLens 4's patching checks this)."""
+    model = random_bridge("gpt2")
+    model.train(training)
+    tl_connwalk.attach(model)
+    try:
+        assert {m.training for m in model.modules()} == {training}
+    finally:
+        tl_connwalk.detach(model)

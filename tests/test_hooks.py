@@ -550,3 +550,12 @@ def test_messages_refused_with_past_kv_cache_walk_works():
     model.add_hook(hook_name(0, "messages"), lambda m, hook: m)
     with pytest.raises(ConnWalkError, match="past_kv_cache"):
         model(toks[:, :1], past_kv_cache=kv_cache, attention_mask=ones(2, 1))
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_new_points_take_the_models_mode(training):
+    """A model in eval mode stays all in eval mode (TransformerLens 4's patching checks this)."""
+    model = model_of("gpt2_ln")
+    model.train(training)
+    install(model)
+    assert {m.training for m in model.modules()} == {training}

@@ -191,6 +191,7 @@ def install(model: nn.Module) -> None:
         for point_name, point in zip(
             HOOK_NAMES, (conn.walk, conn.gates, conn.messages), strict=True
         ):
+            point.train(attn.training)  # a model in eval mode stays all in eval mode
             setattr(attn, point_name, point)  # also enters the component's _hook_registry
             point.name = f"{name}.{point_name}"
             # pos_slice: TL 3.x reads the position axis off the registry key (the messages'

@@ -296,6 +296,7 @@ def install(model: nn.Module) -> None:
             HOOK_NAMES, (conn.walk, conn.gates, conn.messages), strict=True
         ):
             full_name = f"{name}.{point_name}"
+            point.train(attn.training)  # a model in eval mode stays all in eval mode
             setattr(attn, point_name, point)
             point.name = full_name
             root.hook_dict[full_name] = point

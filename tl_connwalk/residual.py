@@ -208,10 +208,7 @@ def laplacian_residual(
         "transport_defect": transport_defect,
         "field_defect": field,
     }
-    baseline = {
-        name: isometry.random_baseline(measure, W_V, W_O, baseline_draws, seed=seed)
-        for name, measure in measures.items()
-    }
+    baseline = isometry.random_baselines(measures, W_V, W_O, baseline_draws, seed=seed)
     unit_scale = isometry.common_scale(
         W, g, W_V, W_O, exclude_sink=exclude_sink, query_chunk=query_chunk
     )
@@ -272,8 +269,9 @@ def _unit_scaled(tensor: Tensor) -> tuple[Tensor, float]:
 
     Every defect is invariant under scaling the field and the transports (SPEC 3), but the
     closed forms raise transport norms to the fourth power, which leaves float32's range for
-    ``||T||_F`` beyond about 1e9 or below 1e-9. A power of two rescales without rounding, so
-    the defects of weights already in range are bit for bit those of the unscaled ones.
+    ``||T||_F`` beyond about 1e9 or below 1e-9. A power of two rescales without rounding
+    error (the defects agree with the unscaled ones to the last bit or so); inputs whose
+    ``max |t|`` lies in ``[2^-8, 2^8]`` are used as they are, without a copy.
     """
     peak = float(tensor.detach().abs().max()) if tensor.numel() else 0.0
     if not math.isfinite(peak):
@@ -281,7 +279,7 @@ def _unit_scaled(tensor: Tensor) -> tuple[Tensor, float]:
             f"a {tuple(tensor.shape)} input of the measurement has non-finite entries (NaN or "
             "Inf); check the model's weights and the cached activations."
         )
-    if peak == 0.0:
+    if peak == 0.0 or 2.0**-8 <= peak <= 2.0**8:
         return tensor, 1.0
     factor = 2.0 ** -round(math.log2(peak))
     return tensor * factor, factor

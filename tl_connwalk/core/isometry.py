@@ -19,7 +19,7 @@ positive defect. Results are float32 or wider (half precision is upcast, float64
 """
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from einops import einsum, rearrange, reduce
@@ -197,6 +197,11 @@ def _products(left: Tensor, right: Tensor) -> Tensor:
     return torch.stack([left @ right[b] for b in range(right.shape[0])])
 
 
+def _head_norms_sq(W_V: Tensor, W_O: Tensor) -> Tensor:
+    """``||T^h||_F^2 = tr(GV[h,h] GO[h,h])``, the diagonal of `head_gram` alone: ``[H]``."""
+    return einsum(W_V.mT @ W_V, W_O @ W_O.mT, "head p q, head q p -> head")
+
+
 def _head_factor_grams(W_V: Tensor, W_O: Tensor) -> tuple[Tensor, Tensor]:
     """``GV[a,b] = W_V^a^T W_V^b`` and ``GO[a,b] = W_O^a W_O^b^T``, both ``[H, H, d_h, d_h]``."""
     W_O_t = W_O.mT
@@ -256,8 +261,9 @@ def gram_matrices(
         K4[a,b,c,e] = tr(GV[b,a] GO[a,c] GV[c,e] GO[e,b])
 
     built through the ``H^3`` products ``X[b,a,c] = GV[b,a] GO[a,c]`` and
-    ``Y[b,c,e] = GV[c,e] GO[e,b]``, one ``(b, c)`` at a time: working memory the two Grams
-    (``2 H^2 d_head^2`` numbers) plus ``O(H d_head^2)`` (never ``H^4 d^2``), time
+    ``Y[b,c,e] = GV[c,e] GO[e,b]``, one ``b`` and a block of ``c`` at a time (batched
+    ``d_head x d_head`` matmuls, blocks of at most ``CHUNK_ENTRIES / 4`` numbers): working
+    memory the two Grams (``2 H^2 d_head^2`` numbers) plus one block (never ``H^4 d^2``), time
     ``O(H^3 d_head^3 + H^4 d_head^2)``. ``K4`` itself has ``H^4`` entries (1M for ``H = 32``).
 
     >>> K2, K4 = gram_matrices(torch.randn(3, 8, 2), torch.randn(3, 2, 8))
@@ -268,12 +274,15 @@ def gram_matrices(
     n_heads = W_V.shape[0]
     gram_v, gram_o = _head_factor_grams(W_V, W_O)
     K2 = einsum(gram_v, gram_o, "a b p q, b a q p -> a b")
+    d_head = gram_v.shape[-1]
     K4 = gram_v.new_zeros(n_heads, n_heads, n_heads, n_heads)
+    step = max(1, CHUNK_ENTRIES // (8 * n_heads * d_head * d_head))
     for b in range(n_heads):
-        for c in range(n_heads):
-            X = gram_v[b] @ gram_o[:, c]  # [a, p, s] = GV[b,a] GO[a,c]
-            Y = gram_v[c] @ gram_o[:, b]  # [e, s, p] = GV[c,e] GO[e,b]
-            K4[:, b, c, :] = einsum(X, Y, "a p s, e s p -> a e")
+        for start in range(0, n_heads, step):
+            cs = slice(start, start + step)
+            X = gram_v[b][:, None] @ gram_o[:, cs]  # [a, c, p, s] = GV[b,a] GO[a,c]
+            Y_t = gram_o[b][:, None] @ gram_v[:, cs]  # [e, c, p, s] = (GV[c,e] GO[e,b])^T
+            K4[:, b, cs, :] = einsum(X, Y_t, "a c p s, e c p s -> a c e")
     return K2, K4
 
 
@@ -733,8 +742,8 @@ def random_head_factors(
         )
     rand_V = torch.randn(W_V.shape, dtype=W_V.dtype, device=W_V.device, generator=generator)
     rand_O = torch.randn(W_O.shape, dtype=W_O.dtype, device=W_O.device, generator=generator)
-    target = head_gram(W_V, W_O).diagonal().clamp_min(0.0).sqrt()
-    drawn = head_gram(rand_V, rand_O).diagonal().clamp_min(0.0).sqrt()
+    target = _head_norms_sq(W_V, W_O).clamp_min(0.0).sqrt()
+    drawn = _head_norms_sq(rand_V, rand_O).clamp_min(0.0).sqrt()
     factor = torch.where(drawn > 0, target / torch.where(drawn > 0, drawn, 1.0), 0.0).sqrt()
     return rand_V.mul_(factor[:, None, None]), rand_O.mul_(factor[:, None, None])
 
@@ -782,6 +791,28 @@ def random_baseline(
     >>> base.mean.shape, base.std.shape
     (torch.Size([2]), torch.Size([2]))
     """
+    return random_baselines({"measure": measure}, W_V, W_O, n_draws, seed=seed)["measure"]
+
+
+def random_baselines(
+    measures: Mapping[str, Callable[[Tensor, Tensor], Tensor]],
+    W_V: Float[Tensor, "head d_model d_head"],
+    W_O: Float[Tensor, "head d_head d_model"],
+    n_draws: int = 16,
+    *,
+    seed: int | torch.Generator = 0,
+) -> dict[str, RandomBaseline]:
+    """`random_baseline` of several measurements on the same ``n_draws`` random factor pairs.
+
+    Each draw is made once and every measurement evaluated on it: the same baselines as one
+    `random_baseline` call per measurement with the same integer ``seed``, for the cost of one
+    set of draws.
+
+    >>> bases = random_baselines({"head": head_transport_defects}, torch.randn(2, 16, 4),
+    ...                          torch.randn(2, 4, 16), n_draws=4)
+    >>> bases["head"].mean.shape
+    torch.Size([2])
+    """
     if isinstance(n_draws, bool) or not isinstance(n_draws, int) or n_draws < 2:
         raise ConnWalkError(f"n_draws must be an integer >= 2 (for a spread), got {n_draws!r}.")
     if isinstance(seed, torch.Generator):
@@ -790,6 +821,13 @@ def random_baseline(
         generator = torch.Generator(device=W_V.device).manual_seed(seed)
     else:
         raise ConnWalkError(f"seed must be an int or a torch.Generator, got {seed!r}.")
-    draws = [measure(*random_head_factors(W_V, W_O, generator)) for _ in range(n_draws)]
-    stacked = torch.stack(draws)
-    return RandomBaseline(stacked.to(working_dtype(stacked)))
+    draws: dict[str, list[Tensor]] = {name: [] for name in measures}
+    for _ in range(n_draws):
+        factors = random_head_factors(W_V, W_O, generator)
+        for name, measure in measures.items():
+            draws[name].append(measure(*factors))
+    baselines = {}
+    for name, values in draws.items():
+        stacked = torch.stack(values)
+        baselines[name] = RandomBaseline(stacked.to(working_dtype(stacked)))
+    return baselines
