@@ -22,6 +22,12 @@ def test_layer_drift_is_total_variation_between_layers():
     assert sinkless.shape == (2, 2) and not torch.equal(sinkless, drift)
 
 
+def test_layer_drift_of_one_layer_is_empty():
+    model = random_bridge("gpt2", n_layers=1)
+    _, cache = model.run_with_cache(tokens())
+    assert tl_connwalk.layer_drift(cache).shape == (tokens().shape[0], 0)
+
+
 def test_geometry_table_is_tidy():
     model = random_bridge("gpt2", n_layers=2)
     _, cache = model.run_with_cache(tokens())

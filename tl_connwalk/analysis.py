@@ -27,22 +27,21 @@ def layer_drift(
     """``(1/n) sum_i TV(W^l_i., W^{l+1}_i.)`` for every pair of consecutive layers (SPEC 3).
 
     ``[batch, n_layers - 1]``; column ``l`` compares layer ``l`` with ``l + 1``. With
-    ``exclude_sink`` the first key is removed and rows renormalised before comparing.
+    ``exclude_sink`` the first key is removed and rows renormalised before comparing. Holds two
+    layers' walks (``2 batch n^2`` numbers) and one layer's gates at a time.
 
     >>> tl_connwalk.layer_drift(cache)[:, -1]  # doctest: +SKIP
     """
     n_layers = n_layers_of(cache)
-    walks = [connection_walk(cache, layer).walk for layer in range(n_layers)]
-    return _drifts(walks, exclude_sink)
-
-
-def _drifts(walks: list[Tensor], exclude_sink: bool) -> Tensor:
+    # a generator: pairwise holds two layers' walks at a time, never all of them
+    walks = (connection_walk(cache, layer).walk for layer in range(n_layers))
     drifts = [
         markov.layer_drift(before, after, exclude_sink=exclude_sink)
         for before, after in itertools.pairwise(walks)
     ]
     if not drifts:
-        return torch.zeros(walks[0].shape[0], 0, dtype=walks[0].dtype, device=walks[0].device)
+        first = connection_walk(cache, 0).walk
+        return torch.zeros(first.shape[0], 0, dtype=first.dtype, device=first.device)
     return torch.stack([d.to(drifts[0].device) for d in drifts], dim=-1)
 
 

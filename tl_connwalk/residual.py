@@ -151,7 +151,9 @@ def laplacian_residual(
         mu: the measure for reversibility: ``"stationary"`` (falls back to uniform where the
             walk is reducible, e.g. causal), ``"uniform"``, ``"teleport"`` (stationary
             distribution of ``alpha W + (1 - alpha) 11^T / n``) or a ``[batch, pos]`` tensor.
-        exclude_sink: drop key 0 and renormalise rows in every walk-weighted summary.
+        exclude_sink: drop key 0 and renormalise rows in every walk-weighted summary. Key 0
+            is the sink of an unpadded or right-padded batch (TransformerLens's default); in a
+            left-padded batch it is a masked pad, so the real first token's sink is kept.
         baseline_draws: random transports per baseline (``>= 2``).
         seed: seed of the random baselines and of the edge sample.
         exact: also build the nearest random-walk connection operator ``P*`` (SPEC 4) and
