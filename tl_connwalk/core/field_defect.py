@@ -68,12 +68,12 @@ def message_grams(
     n_heads = W_V.shape[0]
     # head by head: an einsum over the head axis would copy W_V into matmul layout first
     values = torch.stack([field @ W_V[h] for h in range(n_heads)], dim=2)
-    rows = []
+    grams = values.new_empty(*values.shape[:2], n_heads, n_heads)  # filled row by row
     for a in range(n_heads):
         out_gram = torch.stack([W_O[a] @ W_O[c].mT for c in range(n_heads)])  # [c, p, q]
         mapped = einsum(values[:, :, a], out_gram, "batch key p, c p q -> batch key c q")
-        rows.append(einsum(mapped, values, "batch key c q, batch key c q -> batch key c"))
-    return torch.stack(rows, dim=2)
+        grams[:, :, a] = einsum(mapped, values, "batch key c q, batch key c q -> batch key c")
+    return grams
 
 
 def _field_norms(field: Tensor) -> Tensor:
@@ -115,12 +115,14 @@ def message_norm_ratios(
     _check_chunk(query_chunk)
     batch, n_heads, n_query, n_key = gates.shape
     grams = message_grams(field, W_V, W_O)
-    parts = []
+    norm_sq = gates.new_empty(batch, n_query, n_key)
     for rows in _query_chunks(n_query, batch * n_heads * n_key, query_chunk):
         g = gates[:, :, rows]
         mixed = einsum(g, grams, "batch a query key, batch key a c -> batch c query key")
-        parts.append(einsum(mixed, g, "batch c query key, batch c query key -> batch query key"))
-    norm_sq = n_heads**2 * torch.cat(parts, dim=1)
+        norm_sq[:, rows] = einsum(
+            mixed, g, "batch c query key, batch c query key -> batch query key"
+        )
+    norm_sq.mul_(n_heads**2)
     return _ratio(norm_sq, _field_norms(field)[:, None, :])
 
 

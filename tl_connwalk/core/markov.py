@@ -300,20 +300,21 @@ def edge_pairing_residuals(
     dtype = working_dtype(gates, K2, KM)
     gates, K2, KM = (t.to(device=gates.device, dtype=dtype) for t in (gates, K2, KM))
     batch, _, n_query, n_key = gates.shape
-    norm_parts, cross_parts = [], []
+    norm_sq = gates.new_empty(batch, n_query, n_key)
+    cross = gates.new_empty(batch, n_query, n_key)
     for rows in _query_chunks(n_query, batch * n_heads * n_key, query_chunk):
         g = gates[:, :, rows]
         reverse = rearrange(gates[:, :, :, rows], "batch head key query -> batch head query key")
         mixed = einsum(g, K2, "batch a query key, a b -> batch b query key")
-        norm_parts.append(
-            einsum(mixed, g, "batch b query key, batch b query key -> batch query key")
+        norm_sq[:, rows] = einsum(
+            mixed, g, "batch b query key, batch b query key -> batch query key"
         )
         mixed = einsum(g, KM, "batch a query key, a b -> batch b query key")
-        cross_parts.append(
-            einsum(mixed, reverse, "batch b query key, batch b query key -> batch query key")
+        cross[:, rows] = einsum(
+            mixed, reverse, "batch b query key, batch b query key -> batch query key"
         )
-    norm_sq = n_heads**2 * torch.cat(norm_parts, dim=1)
-    cross = n_heads**2 * torch.cat(cross_parts, dim=1)
+    norm_sq.mul_(n_heads**2)
+    cross.mul_(n_heads**2)
     norm_sq_reverse = rearrange(norm_sq, "batch query key -> batch key query")
     gap = (norm_sq + norm_sq_reverse - 2 * cross).clamp_min(0.0)
     denom = torch.where(norm_sq > 0, norm_sq, norm_sq_reverse)
