@@ -130,24 +130,30 @@ def all_measurements(n_pos: int, baseline_draws: int) -> dict[str, float]:
             "peak_extra_over_patterns": peak / patterns}  # fmt: skip
 
 
-def llama8b_operands(n_pos: int) -> tuple[torch.Tensor, ...]:
-    """Pattern, field, W_V, W_O of a Llama-3-8B-shaped layer (32 heads, 8 KV heads, d_head 128).
+#: (query heads, key-value heads, d_head, d_model) of the layer shapes benchmarked alone
+SHAPES = {"llama8b": (32, 8, 128, 4096), "gpt2": (12, 12, 64, 768)}
+
+
+def layer_operands(n_pos: int, shape: str = "llama8b") -> tuple[torch.Tensor, ...]:
+    """Pattern (causal, random), field, W_V, W_O of one layer of a shape in ``SHAPES``.
 
     Built in place, so that setting up does not raise the peak above the inputs themselves.
+    Key-value heads are expanded to the query heads, as TransformerLens does.
     """
-    heads, d_head, d_model = 32, 128, 4096
+    heads, kv_heads, d_head, d_model = SHAPES[shape]
     gen = torch.Generator().manual_seed(0)
     pattern = torch.rand(1, heads, n_pos, n_pos, generator=gen).tril_()
     pattern /= pattern.sum(-1, keepdim=True)
     field = torch.randn(1, n_pos, d_model, generator=gen)
-    W_V = (torch.randn(8, d_model, d_head, generator=gen) / 64).repeat_interleave(4, 0)
-    W_O = torch.randn(heads, d_head, d_model, generator=gen) / 64
+    W_V = torch.randn(kv_heads, d_model, d_head, generator=gen) / d_model**0.5
+    W_V = W_V.repeat_interleave(heads // kv_heads, 0)
+    W_O = torch.randn(heads, d_head, d_model, generator=gen) / d_model**0.5
     return pattern, field, W_V, W_O
 
 
-def llama8b_residual(n_pos: int = 512, baseline_draws: int = 2) -> dict[str, float]:
-    """laplacian_residual of one Llama-3-8B-shaped layer (K4 through H^3 products, all edges)."""
-    pattern, field, W_V, W_O = llama8b_operands(n_pos)
+def layer_residual(n_pos: int, shape: str, baseline_draws: int = 2) -> dict[str, float]:
+    """laplacian_residual of one layer (all edges); peak growth over the built walk."""
+    pattern, field, W_V, W_O = layer_operands(n_pos, shape)
     walk = tl_connwalk.ConnectionWalk.from_pattern(pattern, field, W_V, W_O)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
@@ -160,7 +166,7 @@ def llama8b_residual(n_pos: int = 512, baseline_draws: int = 2) -> dict[str, flo
 
 def llama8b_layer(n_pos: int = 2048) -> dict[str, float]:
     """One Llama-3-8B-shaped layer (32 heads, 8 KV heads, d_head 128, d_model 4096) at n_pos."""
-    pattern, field, W_V, W_O = llama8b_operands(n_pos)
+    pattern, field, W_V, W_O = layer_operands(n_pos)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
     walk = tl_connwalk.ConnectionWalk.from_pattern(pattern, field, W_V, W_O)
@@ -239,7 +245,10 @@ def main() -> None:
         print(json.dumps([all_measurements(n, 2) for n in (256, 1024)]))
         return
     if args.case == "llama8b_residual":
-        print(json.dumps(llama8b_residual()))
+        print(json.dumps(layer_residual(512, "llama8b")))
+        return
+    if args.case == "long_residual":
+        print(json.dumps(layer_residual(8192, "gpt2")))
         return
     if args.case == "hooks":
         print(json.dumps(hook_overhead(256, repeats=15)))
