@@ -1,10 +1,11 @@
 """tl_connwalk: self-attention as a connection walk, for TransformerLens models.
 
 >>> import tl_connwalk
->>> tl_connwalk.attach(model)  # doctest: +SKIP
->>> logits, cache = model.run_with_cache(tokens)  # doctest: +SKIP
->>> walk = cache.connection_walk(0)  # doctest: +SKIP
->>> walk.apply() + walk.bias()  # == cache["blocks.0.hook_attn_out"]  # doctest: +SKIP
+>>> model = tl_connwalk.attach(model)  # a TransformerBridge here
+>>> logits, cache = model.run_with_cache(tokens)
+>>> walk = cache.connection_walk(0)
+>>> output = cache["blocks.0.attn.o.hook_out"]  # HookedTransformer: "blocks.0.hook_attn_out"
+>>> torch.testing.assert_close(walk.apply() + walk.bias(), output)
 """
 
 from tl_connwalk.analysis import geometry_table as geometry_table

@@ -21,10 +21,10 @@ patched map like the rest of the value); see `tl_connwalk.core.transport_patches
 Works on ``HookedTransformer`` and decoder ``TransformerBridge`` models (grouped-query ``W_V``
 expanded here); a BERT Bridge refuses edits with `ConnWalkError` (see `tl_connwalk.bridge_hooks`).
 
->>> tl_connwalk.attach(model)  # doctest: +SKIP
->>> patch = isometric_transport(model, 3, head=5)  # doctest: +SKIP
->>> logits = model.run_with_hooks(tokens, fwd_hooks=patch)  # doctest: +SKIP
->>> ablation_sweep(model, tokens, layers=[3])  # doctest: +SKIP
+>>> model = tl_connwalk.attach(model)
+>>> patch = isometric_transport(model, 1, head=2)
+>>> logits = model.run_with_hooks(tokens, fwd_hooks=patch)
+>>> table = ablation_sweep(model, tokens, layers=[1], progress=False)
 """
 
 from collections.abc import Callable, Iterable, Sequence
@@ -91,7 +91,7 @@ def zero_transport(model: Any, layer: int, head: Heads = None) -> list[Hook]:
     The same logits as zeroing ``blocks.{layer}.attn.hook_z[:, :, h]`` (TransformerLens
     zero-ablation). ``head=None``: every head of the layer.
 
-    >>> model.run_with_hooks(tokens, fwd_hooks=zero_transport(model, 0, head=1))  # doctest: +SKIP
+    >>> logits = model.run_with_hooks(tokens, fwd_hooks=zero_transport(model, 0, head=1))
     """
     name = _check_layer(model, layer, "messages")
     heads = _head_index(_n_layers_heads(model)[1], head, layer)
@@ -110,7 +110,7 @@ def mean_transport(
     ``per_sequence=True`` takes the mean over each sequence's keys only. The mean is over all key
     positions, as in TransformerLens mean ablation, so under a causal mask later keys enter it.
 
-    >>> model.run_with_hooks(tokens, fwd_hooks=mean_transport(model, 0))  # doctest: +SKIP
+    >>> logits = model.run_with_hooks(tokens, fwd_hooks=mean_transport(model, 0))
     """
     name = _check_layer(model, layer, "messages")
     heads = _head_index(_n_layers_heads(model)[1], head, layer)
@@ -153,8 +153,8 @@ def isometric_transport(model: Any, layer: int, head: Heads = None) -> list[Hook
     ``s U V^T``; ``b_V^h`` passes through the same map). The map is computed once, here, from
     the current weights, in float32 or wider.
 
-    >>> patch = isometric_transport(model, 2, head=0)  # doctest: +SKIP
-    >>> model.run_with_hooks(tokens, fwd_hooks=patch)  # doctest: +SKIP
+    >>> patch = isometric_transport(model, 1, head=0)
+    >>> logits = model.run_with_hooks(tokens, fwd_hooks=patch)
     """
     return _transport_patch(model, layer, head, isometric_message_map)
 
@@ -166,7 +166,7 @@ def scalar_transport(model: Any, layer: int, head: Heads = None) -> list[Hook]:
     read component is written back unrotated. As `isometric_transport`, via
     ``m'^h_j = m^h_j s V S^-1 U^T``.
 
-    >>> model.run_with_hooks(tokens, fwd_hooks=scalar_transport(model, 2))  # doctest: +SKIP
+    >>> logits = model.run_with_hooks(tokens, fwd_hooks=scalar_transport(model, 1))
     """
     return _transport_patch(model, layer, head, scalar_message_map)
 
@@ -177,7 +177,7 @@ def uniform_gates(model: Any, layer: int) -> list[Hook]:
     The layer is then one head with transport ``sum_h T^h`` (SPEC 1.2, the single-head
     reduction): the ablation of gating.
 
-    >>> model.run_with_hooks(tokens, fwd_hooks=uniform_gates(model, 0))  # doctest: +SKIP
+    >>> logits = model.run_with_hooks(tokens, fwd_hooks=uniform_gates(model, 0))
     """
     name = _check_layer(model, layer, "gates")
 
@@ -198,7 +198,7 @@ def message_patch(
     ``fn`` must keep the shape ``[batch, key, head, d_model]``; the attention output becomes
     ``sum_h A^h fn(m)^h + b_O``.
 
-    >>> message_patch(0, lambda m: 2 * m)  # doctest: +SKIP
+    >>> logits = model.run_with_hooks(tokens, fwd_hooks=message_patch(0, lambda m: 2 * m))
     """
 
     def hook(messages: Float[Tensor, "batch key head d_model"], hook: HookPoint) -> Tensor:
@@ -251,7 +251,9 @@ def ablation_sweep(
     it afterwards only then; hooks are removed after each run and no weight changes. Runs under
     ``torch.no_grad``. Needs a model whose forward takes ``return_type="loss"``.
 
-    >>> ablation_sweep(model, tokens, ablations=("zero", "isometric"), layers=[0])  # doctest: +SKIP
+    >>> table = ablation_sweep(model, tokens, ablations=("zero", "isometric"), layers=[0])
+    >>> sorted(set(table["ablation"]))
+    ['isometric', 'zero']
     """
     ablations = tuple(ablations)
     for ablation in ablations:

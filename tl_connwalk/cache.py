@@ -24,8 +24,8 @@ def required_hooks(model: nn.Module, layers: Iterable[int] | int | None = None) 
 
     Pass them as ``names_filter`` to keep a cache small:
 
-    >>> names = required_hooks(model, [0])  # doctest: +SKIP
-    >>> _, cache = model.run_with_cache(tokens, names_filter=names)  # doctest: +SKIP
+    >>> names = required_hooks(model, [0])
+    >>> _, cache = model.run_with_cache(tokens, names_filter=names)
     """
     adapter = adapter_for(model)
     if layers is None:
@@ -83,9 +83,10 @@ def connection_walk(
         model: the model the cache came from; defaults to ``cache.model``.
 
     Examples:
-        >>> _, cache = model.run_with_cache(tokens)  # doctest: +SKIP
-        >>> walk = tl_connwalk.connection_walk(cache, 0)  # doctest: +SKIP
-        >>> walk.walk.shape  # [batch, query, key]  # doctest: +SKIP
+        >>> _, cache = model.run_with_cache(tokens)
+        >>> walk = tl_connwalk.connection_walk(cache, 0)
+        >>> walk.walk.shape  # [batch, query, key]
+        torch.Size([2, 8, 8])
     """
     model = _model_of(cache, model)
     adapter = adapter_for(model)
@@ -120,6 +121,9 @@ def laplacian_residual(
 ) -> LaplacianResidual:
     """``connection_walk(cache, layer, model).laplacian_residual(**options)`` (SPEC 2-4).
 
-    >>> print(cache.laplacian_residual(-1))  # doctest: +SKIP
+    >>> print(cache.laplacian_residual(-1))  # a causal walk: mu falls back to uniform
+    LaplacianResidual layer 1 (batch means; mu: uniform)
+      stochasticity     0.0000
+    ...
     """
     return connection_walk(cache, layer, model).laplacian_residual(**options)

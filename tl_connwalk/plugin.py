@@ -88,9 +88,10 @@ def attach(model: nn.Module) -> nn.Module:
     (`tl_connwalk.hooks`, `tl_connwalk.bridge_hooks`). Idempotent;
     changes no parameter, buffer, output or config. Returns ``model``.
 
-    >>> tl_connwalk.attach(model)  # doctest: +SKIP
-    >>> _, cache = model.run_with_cache(tokens)  # doctest: +SKIP
-    >>> cache.connection_walk(0)  # doctest: +SKIP
+    >>> model = tl_connwalk.attach(model)
+    >>> _, cache = model.run_with_cache(tokens)
+    >>> cache.connection_walk(0)
+    ConnectionWalk(...)
     """
     adapter_for(model)  # refuse unsupported models before touching anything
     _check_cache_methods()

@@ -6,8 +6,8 @@ word-level tokenizer to a temporary folder, and booted into a TransformerLens
 with a larger spread than the Hugging Face init (standard deviation ``scale``) so that patterns
 are far from uniform and biases are non-zero.
 
->>> bridge = random_bridge("llama", n_layers=2)  # doctest: +SKIP
->>> bridge.cfg.n_key_value_heads  # doctest: +SKIP
+>>> bridge = random_bridge("llama", n_layers=2)
+>>> bridge.cfg.n_key_value_heads
 2
 """
 

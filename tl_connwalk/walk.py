@@ -143,8 +143,8 @@ class ConnectionWalk:
         ``H d_head`` (``.AB`` is the dense map). Without, every edge lazily as an
         `EffectiveTransport` (index it ``[query, key]``).
 
-        >>> walk.effective_transport(3, 1).AB.shape  # doctest: +SKIP
-        torch.Size([batch, d_model, d_model])
+        >>> walk.effective_transport(3, 1).AB.shape  # [batch, d_model, d_model]
+        torch.Size([2, 32, 32])
         """
         lazy = core.EffectiveTransport(self.gates, self.W_V, self.W_O)
         if query is None and key is None:
@@ -184,7 +184,8 @@ class ConnectionWalk:
         ``exclude_sink``, ``baseline_draws``, ``seed``, ``exact``, ``max_edges``,
         ``mass_share``, ``query_chunk``).
 
-        >>> walk.laplacian_residual(exclude_sink=True).transport_defect  # doctest: +SKIP
+        >>> walk.laplacian_residual(exclude_sink=True).transport_defect.shape  # [batch]
+        torch.Size([2])
         """
         return residual.laplacian_residual(self, **options)
 

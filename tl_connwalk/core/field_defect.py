@@ -171,7 +171,7 @@ def field_isometry_defect(
     >>> A = torch.softmax(torch.randn(1, 1, 3, 3), -1)
     >>> Q = torch.linalg.qr(torch.randn(8, 8)).Q
     >>> field_isometry_defect(torch.randn(1, 3, 8), A.mean(1), torch.ones_like(A),
-    ...                       3 * Q[None], Q.T[None])  # doctest: +SKIP
+    ...                       3 * Q[None], Q.T[None])
     tensor([0.])
     """
     rho = message_norm_ratios(field, gates, W_V, W_O, query_chunk=query_chunk)

@@ -88,7 +88,7 @@ def isometry_defect(sigma: Float[Tensor, "*batch singular"], rank: int) -> Float
 
     >>> isometry_defect(torch.tensor([2.0, 2.0, 2.0]), rank=3)
     tensor(0.)
-    >>> isometry_defect(torch.tensor([1.0, 0.0]), rank=2)  # sqrt(1 - 1/2)  # doctest: +SKIP
+    >>> isometry_defect(torch.tensor([1.0, 0.0]), rank=2)  # sqrt(1 - 1/2)
     tensor(0.7071)
     """
     top = _top_singular_values(sigma, rank)
@@ -115,7 +115,7 @@ def gram_defect(sigma: Float[Tensor, "*batch singular"], rank: int) -> Float[Ten
 def frobenius_scale(sigma: Float[Tensor, "*batch singular"], rank: int) -> Float[Tensor, "*batch"]:
     """The Frobenius scale ``s = sqrt(sum sigma_k^2 / r)`` over the top ``r`` values (SPEC 4).
 
-    >>> frobenius_scale(torch.tensor([3.0, 4.0]), rank=2)  # sqrt(25 / 2)  # doctest: +SKIP
+    >>> frobenius_scale(torch.tensor([3.0, 4.0]), rank=2)  # sqrt(25 / 2)
     tensor(3.5355)
     """
     return (_top_singular_values(sigma, rank) ** 2).mean(-1).sqrt()
@@ -168,7 +168,7 @@ def head_transport_defects(
     (``min(d_model, d_head)`` if ``d_model`` is smaller). A zero head gives 0.
 
     >>> Q = torch.linalg.qr(torch.randn(8, 8)).Q
-    >>> head_transport_defects(2 * Q[None, :, :4], Q.T[None, :4])  # doctest: +SKIP
+    >>> head_transport_defects(2 * Q[None, :, :4], Q.T[None, :4])
     tensor([0.])
     """
     sigma = head_singular_values(W_V, W_O)
@@ -424,7 +424,7 @@ def covered_mass_share(
     1 where the walk has no mass.
 
     >>> W = torch.tensor([[[0.5, 0.3, 0.2]]])
-    >>> covered_mass_share(W, heaviest_edges(W, 0.7))  # doctest: +SKIP
+    >>> covered_mass_share(W, heaviest_edges(W, 0.7))
     tensor([0.8000])
     """
     weights = walk.to(working_dtype(walk))
@@ -632,7 +632,7 @@ def walk_weighted_mean(
     Values where the weight is 0 are ignored, whatever they are.
 
     >>> W = torch.softmax(torch.randn(1, 4, 4), -1)
-    >>> walk_weighted_mean(W, torch.ones(1, 4, 4))  # doctest: +SKIP
+    >>> walk_weighted_mean(W, torch.ones(1, 4, 4))
     tensor([1.0000])
     """
     weights, rows = _edge_weights(walk, check_flag(exclude_sink, "exclude_sink"), edges)
@@ -709,7 +709,7 @@ def common_scale(
 
     >>> Q = torch.linalg.qr(torch.randn(4, 4)).Q
     >>> common_scale(torch.full((1, 3, 3), 1 / 3), torch.ones(1, 1, 3, 3), 2 * Q[None],
-    ...              Q.T[None])  # doctest: +SKIP
+    ...              Q.T[None])
     tensor([2.])
     """
     K2 = head_gram(W_V, W_O)

@@ -55,8 +55,8 @@ def _check_walk(walk: Tensor, name: str = "walk", square: bool = True) -> Tensor
 def stochasticity_residual(walk: Float[Tensor, "batch query key"]) -> Float[Tensor, " batch"]:
     """``max_i |sum_j W_ij - 1|`` (SPEC 3): zero exactly under (C1).
 
-    >>> stochasticity_residual(torch.softmax(torch.randn(2, 4, 4), -1))  # doctest: +SKIP
-    tensor([5.9605e-08, 0.0000e+00])
+    >>> stochasticity_residual(torch.softmax(torch.randn(2, 4, 4), -1)) < 1e-6  # rounding only
+    tensor([True, True])
     """
     walk64 = _check_walk(walk, square=False)
     residual = (reduce(walk64, "batch query key -> batch query", "sum") - 1).abs()
@@ -131,7 +131,7 @@ def stationary_distribution(
     jump uniformly), which always exists and is positive. Solved in float64.
 
     >>> W = torch.tensor([[[0.5, 0.5], [0.25, 0.75]]])
-    >>> stationary_distribution(W)  # doctest: +SKIP
+    >>> stationary_distribution(W)
     tensor([[0.3333, 0.6667]])
     """
     if teleport is not None:
@@ -188,8 +188,8 @@ def reversibility_residual(
     (0/0) counts as reversible: residual 0.
 
     >>> S = torch.rand(1, 4, 4); S = S + S.mT
-    >>> reversibility_residual(S / S.sum(-1, keepdim=True)).residual  # doctest: +SKIP
-    tensor([1.2e-08])
+    >>> reversibility_residual(S / S.sum(-1, keepdim=True)).residual < 1e-6  # reversible
+    tensor([True])
     """
     walk64 = _check_walk(walk)
     batch, n_pos, _ = walk64.shape
