@@ -1,6 +1,8 @@
 """The slow tier: the whole public API once on every zoo model, leaving the model untouched.
 
-For each model of :func:`tl_connwalk.zoo.available` (loaded from the converted cache): attach,
+For each model of `tl_connwalk.zoo.available` (loaded from the converted cache), as a
+``HookedTransformer``/``HookedEncoder`` where TransformerLens has them and as a
+``TransformerBridge`` on every version: attach,
 ``run_with_cache`` with ``required_hooks``, the walks of the first and last layer and their
 identity against the attention module's own output, effective transports against the cached
 patterns, ``laplacian_residual``, ``isometry_defects``, ``layer_drift``, ``geometry_table``,
@@ -15,15 +17,17 @@ import math
 import pytest
 import torch
 from einops import einsum
+from transformer_lens.model_bridge import TransformerBridge
 
 import tl_connwalk
-from tests.architectures import hooked_only
+from tests.architectures import HAS_HOOKED
 from tests.tolerances import assert_close
 from tests.zoo.helpers import state_digest
 from tl_connwalk.ablations import zero_transport
 from tl_connwalk.zoo import available, default_text, load
 
-pytestmark = [pytest.mark.slow, hooked_only]
+pytestmark = pytest.mark.slow
+BACKENDS = ["hooked", "bridge"] if HAS_HOOKED else ["bridge"]
 N_TOKENS = 24
 SHORT_TEXTS = [
     "The quick brown fox jumps over the lazy dog while the farmer watches from the gate.",
@@ -31,9 +35,18 @@ SHORT_TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=sorted(available()))
+@pytest.fixture(
+    scope="module",
+    params=[(name, backend) for name in sorted(available()) for backend in BACKENDS],
+    ids="-".join,
+)
 def model(request: pytest.FixtureRequest):
-    return load(request.param)
+    name, backend = request.param
+    return load(name, backend=backend)
+
+
+def is_bridge(model) -> bool:
+    return isinstance(model, TransformerBridge)
 
 
 def short_tokens(model) -> torch.Tensor:
@@ -52,8 +65,18 @@ def cache_digest(cache) -> str:
     return digest.hexdigest()
 
 
+def hook_counts(model) -> dict[str, tuple[int, int]]:
+    """How many forward and backward hooks each hook point carries."""
+    return {
+        name: (len(point._forward_hooks), len(point._backward_hooks))
+        for name, point in model.hook_dict.items()
+    }
+
+
 def is_causal(model) -> bool:
-    return model.cfg.attention_dir == "causal"
+    """Decoder or encoder, read off a forward pass (the Bridge's BERT config says "causal")."""
+    _, cache = model.run_with_cache(short_tokens(model), names_filter="blocks.0.attn.hook_pattern")
+    return bool((cache["blocks.0.attn.hook_pattern"].triu(1) == 0).all())
 
 
 def finite_numbers(record: object) -> list[float]:
@@ -67,20 +90,23 @@ def finite_numbers(record: object) -> list[float]:
 
 def test_public_api_leaves_the_model_as_it_was(model):
     tokens = short_tokens(model)
+    causal = is_causal(model)
     n_layers, last = model.cfg.n_layers, model.cfg.n_layers - 1
     with torch.no_grad():
         logits_before = model(tokens)
     digest_before = state_digest(model)
+    hooks_before = hook_counts(model)
 
     tl_connwalk.attach(model)
     assert tl_connwalk.is_attached(model)
 
-    # the attention modules' own outputs (before any ln1_post), captured without keeping hooks
+    # the attention modules' own outputs (before any ln1_post), captured without keeping hooks;
+    # on the Bridge that is the output projection attn.o (attn itself includes ln1_post)
     outputs: dict[int, torch.Tensor] = {}
     handles = [
-        model.blocks[layer].attn.register_forward_hook(
-            lambda mod, args, out, layer=layer: outputs.__setitem__(layer, out)
-        )
+        (
+            model.blocks[layer].attn.o if is_bridge(model) else model.blocks[layer].attn
+        ).register_forward_hook(lambda mod, args, out, layer=layer: outputs.__setitem__(layer, out))
         for layer in (0, last)
     ]
     try:
@@ -112,7 +138,7 @@ def test_public_api_leaves_the_model_as_it_was(model):
         residual = cache.laplacian_residual(layer, baseline_draws=2)
         record = residual.to_dict()
         assert all(math.isfinite(x) for x in finite_numbers(record))
-        assert (record["pairing"] is None) == is_causal(model)
+        assert (record["pairing"] is None) == causal
         defects = walk.isometry_defects()
         assert defects.shape == (1, N_TOKENS, N_TOKENS)
         assert torch.isfinite(defects).all() and 0 <= defects.min() <= defects.max() <= 1
@@ -126,7 +152,7 @@ def test_public_api_leaves_the_model_as_it_was(model):
     layer_rows = table[table["head"] == "all"].set_index("layer")
     numbers = layer_rows.select_dtypes("number")
     # NaN only where documented: pairing of causal walks, drift after the last layer
-    allowed_nan = {"pairing"} if is_causal(model) else set()
+    allowed_nan = {"pairing"} if causal else set()
     assert numbers.drop(columns=[*allowed_nan, "drift_to_next"]).notna().all().all()
     assert numbers["drift_to_next"].drop(index=last).notna().all()
     assert math.isnan(numbers.loc[last, "drift_to_next"])
@@ -147,7 +173,8 @@ def test_public_api_leaves_the_model_as_it_was(model):
     assert corpus_layers[["transport_defect", "field_defect", "head_defect"]].notna().all().all()
 
     # a transport ablation through the conn hook points equals TransformerLens zero-ablation
-    if "blocks.0.attn.hook_conn_messages" in model.hook_dict:
+    # (not on a BERT Bridge, whose points are read-only)
+    if "blocks.0.attn.hook_conn_messages" in model.hook_dict and (causal or not is_bridge(model)):
         with torch.no_grad():
             ablated = model.run_with_hooks(tokens, fwd_hooks=zero_transport(model, last, head=0))
 
@@ -160,9 +187,11 @@ def test_public_api_leaves_the_model_as_it_was(model):
             )
         assert_close(ablated, reference)
         assert not torch.equal(ablated, logits_before)
-    assert not any(
-        point._forward_hooks or point._backward_hooks for point in model.hook_dict.values()
+    # no hook left on any point (TransformerLens 4's BERT Bridge keeps some of its own)
+    assert {name: n for name, n in hook_counts(model).items() if "hook_conn" not in name} == (
+        hooks_before
     )
+    assert not any(n != (0, 0) for name, n in hook_counts(model).items() if "hook_conn" in name)
 
     tl_connwalk.detach(model)
     assert not tl_connwalk.is_attached(model)
