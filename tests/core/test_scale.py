@@ -14,6 +14,7 @@ import torch
 from tests.core.problems import random_problem
 from tl_connwalk.core import field_defect, markov
 from tl_connwalk.core import isometry as iso
+from tl_connwalk.core.walk import gates, walk_matrix
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.walk import ConnectionWalk
 
@@ -178,6 +179,41 @@ def test_chunked_per_edge_measurements_equal_unchunked(dtype, chunk):
     for chunked, whole in pairs:
         assert chunked.shape == whole.shape == W.shape
         chunk_close(chunked, whole)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, None])
+def test_per_edge_work_stops_at_each_chunks_last_edge(chunk):
+    """Given the walk, keys past a chunk's last edge are skipped: same values on every edge.
+
+    A causal walk (its future is no edge) with the last key of batch element 0 masked (trailing
+    padding), against the same functions without the walk, restricted to the edges.
+    """
+    problem = random_problem(2, 4, 7, d_model=10, d_head=2, seed=8, causal=True)
+    pattern = problem.pattern.clone()
+    pattern[0, :, :, -1] = 0.0
+    W, g = walk_matrix(pattern), gates(pattern)
+    X, W_V, W_O = problem.field, problem.W_V, problem.W_O
+    K2, K4 = iso.gram_matrices(W_V, W_O)
+    edges = W > 0
+    pairs = [
+        (
+            iso.edge_gram_defects(g, K2, K4, 8, W, query_chunk=chunk),
+            iso.edge_gram_defects(g, K2, K4, 8, query_chunk=chunk),
+        ),
+        (
+            iso.edge_frobenius_scales(g, K2, 8, W, query_chunk=chunk),
+            iso.edge_frobenius_scales(g, K2, 8, query_chunk=chunk),
+        ),
+        (
+            field_defect.message_norm_ratios(X, g, W_V, W_O, query_chunk=chunk, walk=W),
+            field_defect.message_norm_ratios(X, g, W_V, W_O, query_chunk=chunk),
+        ),
+    ]
+    for trimmed, full in pairs:
+        torch.testing.assert_close(trimmed[edges], full[edges], rtol=1e-13, atol=0.0)
+        if chunk == 1:  # one row per chunk: exactly the future of each row is skipped
+            future = torch.ones_like(edges).triu(1)
+            assert (trimmed[future] == 0).all() and not (full[future] == 0).all()
 
 
 @pytest.mark.parametrize("chunk", [1, 4])

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from tl_connwalk.core.isometry import (
     _check_chunk,
+    _key_extents,
     _query_chunks,
     check_flag,
     walk_weighted_cv,
@@ -94,12 +95,15 @@ def message_norm_ratios(
     W_O: Float[Tensor, "head d_head d_model"],
     *,
     query_chunk: int | None = None,
+    walk: Float[Tensor, "batch query key"] | None = None,
 ) -> Float[Tensor, "batch query key"]:
     """``rho_ij = ||x_j T_ij|| / ||x_j||`` on every pair, ``||x_j T_ij||^2 = H^2 g_ij^T G_j g_ij``.
 
     0 where ``x_j = 0``. Every ``(i, j)`` gets a value; weight by the walk to keep edges.
     Chunked over queries (``query_chunk`` rows, ``None``: as many as fit
-    ``isometry.CHUNK_ENTRIES`` numbers); the result does not depend on the chunking.
+    ``isometry.CHUNK_ENTRIES`` numbers); the result does not depend on the chunking. With
+    ``walk``, each chunk stops at its last edge's key and leaves 0 beyond (the future of a
+    causal walk): the same values on every edge, about half the work.
 
     >>> A = torch.softmax(torch.randn(1, 2, 3, 3), -1)
     >>> message_norm_ratios(torch.randn(1, 3, 8), A / A.sum(1, keepdim=True),
@@ -115,11 +119,12 @@ def message_norm_ratios(
     _check_chunk(query_chunk)
     batch, n_heads, n_query, n_key = gates.shape
     grams = message_grams(field, W_V, W_O)
-    norm_sq = gates.new_empty(batch, n_query, n_key)
-    for rows in _query_chunks(n_query, batch * n_heads * n_key, query_chunk):
-        g = gates[:, :, rows]
-        mixed = einsum(g, grams, "batch a query key, batch key a c -> batch c query key")
-        norm_sq[:, rows] = einsum(
+    norm_sq = gates.new_zeros(batch, n_query, n_key)
+    chunks = _query_chunks(n_query, batch * n_heads * n_key, query_chunk)
+    for rows, keys in zip(chunks, _key_extents(walk, chunks, n_key), strict=True):
+        g = gates[:, :, rows, :keys]
+        mixed = einsum(g, grams[:, :keys], "batch a query key, batch key a c -> batch c query key")
+        norm_sq[:, rows, :keys] = einsum(
             mixed, g, "batch c query key, batch c query key -> batch query key"
         )
     norm_sq.mul_(n_heads**2)
@@ -174,7 +179,7 @@ def field_isometry_defect(
     ...                       3 * Q[None], Q.T[None])
     tensor([0.])
     """
-    rho = message_norm_ratios(field, gates, W_V, W_O, query_chunk=query_chunk)
+    rho = message_norm_ratios(field, gates, W_V, W_O, query_chunk=query_chunk, walk=walk)
     edges = _sent(field, rho.shape)
     return walk_weighted_cv(walk, rho, exclude_sink=exclude_sink, edges=edges)
 

@@ -315,17 +315,38 @@ def _query_chunks(n_query: int, per_query: int, query_chunk: int | None = None) 
     return [slice(start, start + step) for start in range(0, n_query, step)]
 
 
-def _edge_frobenius_sq(gates: Tensor, K2: Tensor, query_chunk: int | None = None) -> Tensor:
+def _key_extents(walk: Tensor | None, chunks: list[slice], n_key: int) -> list[int]:
+    """Per chunk of query rows: 1 + the last key that is an edge of any of its rows.
+
+    Keys past it are no edge of the chunk (the future of a causal walk, trailing padding), so
+    per-edge work stops there and the values there are left 0, as on every non-edge. Without
+    a walk every key counts.
+    """
+    if walk is None:
+        return [n_key] * len(chunks)
+    present = reduce(walk > 0, "batch query key -> query key", "max")
+    positions = torch.arange(1, n_key + 1, device=walk.device)
+    last = reduce(present * positions, "query key -> query", "max").tolist()
+    return [max(last[rows], default=0) for rows in chunks]
+
+
+def _edge_frobenius_sq(
+    gates: Tensor, K2: Tensor, query_chunk: int | None = None, walk: Tensor | None = None
+) -> Tensor:
     """``sum sigma^2(T_ij) = ||T_ij||_F^2 = H^2 g_ij^T K2 g_ij``, ``[batch, query, key]``.
 
     Chunked over queries: one chunk of ``[batch, head, rows, key]`` at a time beside the gates.
+    With ``walk``, keys past each chunk's last edge are skipped (`_key_extents`).
     """
     batch, n_heads, n_query, n_key = gates.shape
-    out = gates.new_empty(batch, n_query, n_key)
-    for rows in _query_chunks(n_query, batch * n_heads * n_key, query_chunk):
-        g = gates[:, :, rows]
+    out = gates.new_zeros(batch, n_query, n_key)
+    chunks = _query_chunks(n_query, batch * n_heads * n_key, query_chunk)
+    for rows, keys in zip(chunks, _key_extents(walk, chunks, n_key), strict=True):
+        g = gates[:, :, rows, :keys]
         mixed = einsum(g, K2, "batch a query key, a b -> batch b query key")
-        out[:, rows] = einsum(mixed, g, "batch b query key, batch b query key -> batch query key")
+        out[:, rows, :keys] = einsum(
+            mixed, g, "batch b query key, batch b query key -> batch query key"
+        )
     return out.mul_(n_heads**2)
 
 
@@ -346,17 +367,23 @@ def _folded_pair_gram(K4: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return first, second, fold.T @ rearrange(K4, "a b c e -> (a c) (b e)") @ fold
 
 
-def _edge_sigma4(gates: Tensor, K4: Tensor, query_chunk: int | None = None) -> Tensor:
-    """``sum sigma^4(T_ij) = H^4 sum g^a g^b g^c g^e K4[a,b,c,e]``, chunked over queries."""
+def _edge_sigma4(
+    gates: Tensor, K4: Tensor, query_chunk: int | None = None, walk: Tensor | None = None
+) -> Tensor:
+    """``sum sigma^4(T_ij) = H^4 sum g^a g^b g^c g^e K4[a,b,c,e]``, chunked over queries.
+
+    With ``walk``, keys past each chunk's last edge are skipped (`_key_extents`).
+    """
     batch, n_heads, n_query, n_key = gates.shape
     first, second, pairs = _folded_pair_gram(K4)
-    out = gates.new_empty(batch, n_query, n_key)
+    out = gates.new_zeros(batch, n_query, n_key)
     # four chunk-sized temporaries: the two gathered gates, their product and its image
-    for rows in _query_chunks(n_query, 4 * batch * n_key * first.numel(), query_chunk):
-        g = gates[:, :, rows]
+    chunks = _query_chunks(n_query, 4 * batch * n_key * first.numel(), query_chunk)
+    for rows, keys in zip(chunks, _key_extents(walk, chunks, n_key), strict=True):
+        g = gates[:, :, rows, :keys]
         outer = g[:, first] * g[:, second]
         outer = rearrange(outer, "batch pair query key -> batch query key pair")
-        out[:, rows] = einsum(
+        out[:, rows, :keys] = einsum(
             outer @ pairs, outer, "batch query key pair, batch query key pair -> batch query key"
         )
     return out.mul_(n_heads**4)
@@ -499,8 +526,8 @@ def edge_gram_defects(
         eps = torch.zeros(edges.shape, dtype=gates.dtype, device=gates.device)
         eps[b, i, j] = _listed_edge_gram_defects(gates[b, :, i, j], K2, K4, rank)
         return _zero_off_walk(eps, walk)
-    sigma2 = _edge_frobenius_sq(gates, K2, query_chunk)
-    sigma4 = _edge_sigma4(gates, K4, query_chunk)
+    sigma2 = _edge_frobenius_sq(gates, K2, query_chunk, walk)
+    sigma4 = _edge_sigma4(gates, K4, query_chunk, walk)
     spread = rank * sigma4 - sigma2**2
     return _zero_off_walk(_ratio_defect(spread, rank * sigma4), walk)
 
@@ -526,7 +553,7 @@ def edge_frobenius_scales(
     _check_rank(rank)
     _check_chunk(query_chunk)
     gates, K2 = _cast_gates(gates, K2)
-    scale = (_edge_frobenius_sq(gates, K2, query_chunk).clamp_min(0.0) / rank).sqrt()
+    scale = (_edge_frobenius_sq(gates, K2, query_chunk, walk).clamp_min(0.0) / rank).sqrt()
     return _zero_off_walk(scale, walk)
 
 
