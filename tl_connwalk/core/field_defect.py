@@ -24,7 +24,7 @@ from torch import Tensor
 
 from tl_connwalk.core.isometry import (
     _check_chunk,
-    _key_extents,
+    _edge_chunks,
     _query_chunks,
     check_flag,
     walk_weighted_cv,
@@ -120,8 +120,7 @@ def message_norm_ratios(
     batch, n_heads, n_query, n_key = gates.shape
     grams = message_grams(field, W_V, W_O)
     norm_sq = gates.new_zeros(batch, n_query, n_key)
-    chunks = _query_chunks(n_query, batch * n_heads * n_key, query_chunk)
-    for rows, keys in zip(chunks, _key_extents(walk, chunks, n_key), strict=True):
+    for rows, keys in _edge_chunks(n_query, n_key, batch * n_heads * n_key, query_chunk, walk):
         g = gates[:, :, rows, :keys]
         mixed = einsum(g, grams[:, :keys], "batch a query key, batch key a c -> batch c query key")
         norm_sq[:, rows, :keys] = einsum(

@@ -315,19 +315,24 @@ def _query_chunks(n_query: int, per_query: int, query_chunk: int | None = None) 
     return [slice(start, start + step) for start in range(0, n_query, step)]
 
 
-def _key_extents(walk: Tensor | None, chunks: list[slice], n_key: int) -> list[int]:
-    """Per chunk of query rows: 1 + the last key that is an edge of any of its rows.
+def _edge_chunks(
+    n_query: int, n_key: int, per_query: int, query_chunk: int | None, walk: Tensor | None
+) -> list[tuple[slice, int]]:
+    """`_query_chunks`, each with 1 + the last key that is an edge of any of its rows.
 
     Keys past it are no edge of the chunk (the future of a causal walk, trailing padding), so
-    per-edge work stops there and the values there are left 0, as on every non-edge. Without
-    a walk every key counts.
+    per-edge work stops there and the values there are left 0, as on every non-edge. With a
+    walk, automatic chunks are at most an eighth of the rows (at least 16), so that a causal
+    walk skips most of its future. Without a walk every key counts.
     """
     if walk is None:
-        return [n_key] * len(chunks)
+        return [(rows, n_key) for rows in _query_chunks(n_query, per_query, query_chunk)]
+    if query_chunk is None:
+        query_chunk = min(max(1, CHUNK_ENTRIES // max(1, per_query)), max(16, -(-n_query // 8)))
     present = reduce(walk > 0, "batch query key -> query key", "max")
     positions = torch.arange(1, n_key + 1, device=walk.device)
     last = reduce(present * positions, "query key -> query", "max").tolist()
-    return [max(last[rows], default=0) for rows in chunks]
+    return [(rows, max(last[rows], default=0)) for rows in _query_chunks(n_query, 1, query_chunk)]
 
 
 def _edge_frobenius_sq(
@@ -336,12 +341,11 @@ def _edge_frobenius_sq(
     """``sum sigma^2(T_ij) = ||T_ij||_F^2 = H^2 g_ij^T K2 g_ij``, ``[batch, query, key]``.
 
     Chunked over queries: one chunk of ``[batch, head, rows, key]`` at a time beside the gates.
-    With ``walk``, keys past each chunk's last edge are skipped (`_key_extents`).
+    With ``walk``, keys past each chunk's last edge are skipped (`_edge_chunks`).
     """
     batch, n_heads, n_query, n_key = gates.shape
     out = gates.new_zeros(batch, n_query, n_key)
-    chunks = _query_chunks(n_query, batch * n_heads * n_key, query_chunk)
-    for rows, keys in zip(chunks, _key_extents(walk, chunks, n_key), strict=True):
+    for rows, keys in _edge_chunks(n_query, n_key, batch * n_heads * n_key, query_chunk, walk):
         g = gates[:, :, rows, :keys]
         mixed = einsum(g, K2, "batch a query key, a b -> batch b query key")
         out[:, rows, :keys] = einsum(
@@ -372,14 +376,14 @@ def _edge_sigma4(
 ) -> Tensor:
     """``sum sigma^4(T_ij) = H^4 sum g^a g^b g^c g^e K4[a,b,c,e]``, chunked over queries.
 
-    With ``walk``, keys past each chunk's last edge are skipped (`_key_extents`).
+    With ``walk``, keys past each chunk's last edge are skipped (`_edge_chunks`).
     """
     batch, n_heads, n_query, n_key = gates.shape
     first, second, pairs = _folded_pair_gram(K4)
     out = gates.new_zeros(batch, n_query, n_key)
     # four chunk-sized temporaries: the two gathered gates, their product and its image
-    chunks = _query_chunks(n_query, 4 * batch * n_key * first.numel(), query_chunk)
-    for rows, keys in zip(chunks, _key_extents(walk, chunks, n_key), strict=True):
+    per_query = 4 * batch * n_key * first.numel()
+    for rows, keys in _edge_chunks(n_query, n_key, per_query, query_chunk, walk):
         g = gates[:, :, rows, :keys]
         outer = g[:, first] * g[:, second]
         outer = rearrange(outer, "batch pair query key -> batch query key pair")
