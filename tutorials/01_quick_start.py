@@ -28,6 +28,7 @@
 # %% tags=["parameters"]
 MODEL = "smollm2-135m"
 DEVICE = "cpu"
+BACKEND = "hooked"  # "bridge": TransformerBridge, the only backend on TransformerLens 4.x
 N_TOKENS = 128
 LAYER = 10
 
@@ -39,7 +40,7 @@ import tl_connwalk
 from tl_connwalk import zoo
 
 torch.set_grad_enabled(False)
-model = zoo.load(MODEL, device=DEVICE)
+model = zoo.load(MODEL, backend=BACKEND, device=DEVICE)
 tl_connwalk.attach(model)
 tokens = model.to_tokens(zoo.default_text())[:, :N_TOKENS]
 logits, cache = model.run_with_cache(tokens)
@@ -61,7 +62,9 @@ print(
 errors = []
 for layer in range(n_layers):
     walk = cache.connection_walk(layer)
-    out = cache[f"blocks.{layer}.hook_attn_out"]
+    # the attention module's own output: hook_attn_out, or the Bridge's output projection
+    name = "attn.o.hook_out" if BACKEND == "bridge" else "hook_attn_out"
+    out = cache[f"blocks.{layer}.{name}"]
     errors.append(((walk.apply() + walk.bias() - out).abs().max() / out.abs().max()).item())
 print(f"max relative error over {n_layers} layers: {max(errors):.2e}")
 print("identity holds (< 1e-5):", max(errors) < 1e-5)

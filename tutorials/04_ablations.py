@@ -35,6 +35,7 @@
 # %% tags=["parameters"]
 MODEL = "smollm2-135m"
 DEVICE = "cpu"
+BACKEND = "hooked"  # "bridge": TransformerBridge, the only backend on TransformerLens 4.x
 N_TOKENS = 128
 STRIDE = 5
 
@@ -47,7 +48,7 @@ import tl_connwalk
 from tl_connwalk import ablations, zoo
 
 torch.set_grad_enabled(False)
-model = zoo.load(MODEL, device=DEVICE)
+model = zoo.load(MODEL, backend=BACKEND, device=DEVICE)
 tl_connwalk.attach(model)
 tokens = model.to_tokens(zoo.default_text())[:, :N_TOKENS]
 layers = list(range(0, model.cfg.n_layers, STRIDE))
