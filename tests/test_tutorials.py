@@ -4,9 +4,8 @@ Each ``tutorials/*.ipynb`` is run with nbclient in a temporary directory, figure
 backend; any cell error fails the test. The ``.ipynb`` files are the jupytext pairs of the
 ``.py`` sources, so the test also checks that each pair is in sync.
 
-On TransformerLens 4.x (no HookedTransformer) the notebooks whose parameters cell has a
-``BACKEND`` run with ``BACKEND = "bridge"`` (TransformerBridge); the others need hook points
-only the HookedTransformer backend has, and are skipped there.
+On TransformerLens 4.x (no HookedTransformer) the notebooks run with ``BACKEND = "bridge"``
+(TransformerBridge); a notebook without that parameter would be skipped there.
 """
 
 from pathlib import Path
