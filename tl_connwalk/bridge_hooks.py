@@ -33,6 +33,7 @@ from transformer_lens.model_bridge import TransformerBridge
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.hooks import (
     HOOK_NAMES,
+    _carries_points,
     _ConnLayer,
     _correction,
     _edited,
@@ -156,26 +157,8 @@ def _bridge(model: nn.Module) -> TransformerBridge:
 
 
 def _installed(name: str, attn: nn.Module) -> bool:
-    """Whether ``attn`` carries our points; refuses states that neither we nor TL made."""
-    value_type, pattern_type = type(attn.hook_v), type(attn.hook_pattern)
-    if value_type is _BridgeValueHookPoint and pattern_type is _BridgePatternHookPoint:
-        if _on_output not in _projection(attn)._forward_hooks.values():
-            raise ConnWalkError(
-                f"{name}.o: tl_connwalk's forward hook was removed; rebuild the model or copy "
-                "it from before the damage"
-            )
-        return True
-    for point, kind in (("hook_v", value_type), ("hook_pattern", pattern_type)):
-        if kind is not HookPoint:
-            raise ConnWalkError(
-                f"{name}.{point} is a {kind.__module__}.{kind.__qualname__}, not a plain "
-                "HookPoint: another plugin wraps it. tl_connwalk will not wrap it again; "
-                "remove that plugin first (or attach tl_connwalk before it)."
-            )
-    for point_name in HOOK_NAMES:
-        if point_name in attn._modules:
-            raise ConnWalkError(f"{name} already has a submodule {point_name} not made by us")
-    return False
+    swapped = (_BridgeValueHookPoint, _BridgePatternHookPoint)
+    return _carries_points(name, attn, swapped, _projection(attn), _on_output)
 
 
 def _layers(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -252,11 +252,15 @@ def _attention_layers(model: nn.Module) -> tuple[HookedRootModule, dict[str, nn.
     return model, layers
 
 
-def _installed(name: str, attn: nn.Module) -> bool:
-    """Whether ``attn`` carries our hook points; refuses states that neither we nor TL made."""
+def _carries_points(
+    name: str, attn: nn.Module, swapped: tuple[type, type], holder: nn.Module, hook: object
+) -> bool:
+    """Whether ``attn`` carries our points: ``hook_v``/``hook_pattern`` of the ``swapped``
+    classes and ``hook`` among ``holder``'s forward hooks. Refuses states that neither we nor
+    TransformerLens made (one plugin's points, another's HookPoint subclass, a lost hook)."""
     value_type, pattern_type = type(attn.hook_v), type(attn.hook_pattern)
-    if value_type is _ValueHookPoint and pattern_type is _PatternHookPoint:
-        if _apply_message_edits not in attn._forward_hooks.values():
+    if (value_type, pattern_type) == swapped:
+        if hook not in holder._forward_hooks.values():
             raise ConnWalkError(
                 f"{name}: its hook points are tl_connwalk's but its forward hook was removed; "
                 "rebuild the model or copy it from before the damage"
@@ -267,12 +271,18 @@ def _installed(name: str, attn: nn.Module) -> bool:
             raise ConnWalkError(
                 f"{name}.{point} is a {kind.__module__}.{kind.__qualname__}, not a plain "
                 "HookPoint: another plugin wraps it. tl_connwalk will not wrap it again; "
-                "remove that plugin first (or install tl_connwalk before it)."
+                "remove that plugin first (or attach tl_connwalk before it)."
             )
     for point_name in HOOK_NAMES:
-        if hasattr(attn, point_name):
+        if point_name in attn._modules or point_name in vars(attn):
             raise ConnWalkError(f"{name} already has an attribute {point_name} not made by us")
     return False
+
+
+def _installed(name: str, attn: nn.Module) -> bool:
+    return _carries_points(
+        name, attn, (_ValueHookPoint, _PatternHookPoint), attn, _apply_message_edits
+    )
 
 
 def install(model: nn.Module) -> None:
