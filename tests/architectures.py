@@ -6,6 +6,7 @@ redrawn with a larger spread than the default init so that patterns are far from
 biases are non-zero: a wrong gate, bias or field then shows in the identity.
 """
 
+import functools
 import warnings
 from typing import Any
 
@@ -29,6 +30,21 @@ hooked_only = pytest.mark.skipif(
 BRIDGES = [
     (arch, compat) for arch in ("gpt2", "llama", "gemma3", "bert") for compat in (False, True)
 ]
+
+#: the decoder Bridges: every pair of BRIDGES but BERT, whose conn points are read-only
+BRIDGE_DECODERS = [(arch, compat) for arch, compat in BRIDGES if arch != "bert"]
+
+
+@functools.cache
+def cached_bridge(arch: str, compat: bool) -> Any:
+    """``random_bridge(arch, compatibility_mode=compat)``, built once per session."""
+    return random_bridge(arch, compatibility_mode=compat)
+
+
+def bridge_tokens(batch: int = 2, pos: int = 7) -> torch.Tensor:
+    """Tokens for the toy Bridges (vocabulary of 64, the last one their pad/bos)."""
+    return torch.randint(0, 63, (batch, pos), generator=torch.Generator().manual_seed(5))
+
 
 BASE = dict(n_layers=2, d_model=24, d_head=4, n_heads=4, n_ctx=16, d_vocab=40, d_mlp=32, seed=0)
 

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from tests.architectures import ARCHITECTURES, HAS_HOOKED, default_model
+import tl_connwalk
+from tests.architectures import ARCHITECTURES, HAS_HOOKED, cached_bridge, default_model
 
 torch.set_num_threads(1)
 
@@ -18,3 +19,12 @@ def arch(request: pytest.FixtureRequest) -> str:
 def gpt2():
     """A GPT-2-style model of whichever class this TransformerLens offers."""
     return default_model()
+
+
+@pytest.fixture
+def bridge(request: pytest.FixtureRequest):
+    """A toy Bridge (``request.param = (arch, compat)``), attached for the test, then detached."""
+    model = cached_bridge(*request.param)
+    tl_connwalk.attach(model)
+    yield model
+    tl_connwalk.detach(model)

@@ -13,8 +13,7 @@ import pytest
 import torch
 from einops import einsum
 
-import tl_connwalk
-from tests.architectures import BRIDGES
+from tests.architectures import BRIDGE_DECODERS, BRIDGES, bridge_tokens
 from tests.tolerances import assert_close
 from tl_connwalk import ablations
 from tl_connwalk.adapters.weights import expand_kv_heads
@@ -22,32 +21,14 @@ from tl_connwalk.core import transport_patches
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.toy import random_bridge
 
-DECODERS = [(arch, compat) for arch, compat in BRIDGES if arch != "bert"]
 LAYER = 1
-
-
-@functools.cache
-def _bridge(arch: str, compat: bool):
-    return random_bridge(arch, compatibility_mode=compat)
-
-
-@pytest.fixture
-def bridge(request):
-    model = _bridge(*request.param)
-    tl_connwalk.attach(model)
-    yield model
-    tl_connwalk.detach(model)
-
-
-def toks(batch: int = 2, pos: int = 7) -> torch.Tensor:
-    return torch.randint(0, 63, (batch, pos), generator=torch.Generator().manual_seed(5))
 
 
 def zero_z(heads, z, hook):
     return z.index_fill(2, torch.tensor(heads), 0.0)
 
 
-@pytest.mark.parametrize("bridge", DECODERS, indirect=True)
+@pytest.mark.parametrize("bridge", BRIDGE_DECODERS, indirect=True)
 @pytest.mark.parametrize("head", [2, None])
 def test_zero_transport_is_tl_zero_ablation(bridge, head):
     heads = list(range(bridge.cfg.n_heads)) if head is None else [head]
@@ -74,25 +55,27 @@ def projection_output(bridge, fwd_hooks):
         lambda module, args, output: seen.__setitem__("out", output.detach().clone())
     )
     try:
-        logits = bridge.run_with_hooks(toks(), fwd_hooks=fwd_hooks)
+        logits = bridge.run_with_hooks(bridge_tokens(), fwd_hooks=fwd_hooks)
     finally:
         handle.remove()
     return logits, seen["out"]
 
 
-@pytest.mark.parametrize("bridge", DECODERS, indirect=True)
+@pytest.mark.parametrize("bridge", BRIDGE_DECODERS, indirect=True)
 def test_uniform_gates_is_mean_pattern(bridge):
     def mean_pattern(pattern, hook):
         return pattern.mean(1, keepdim=True).expand_as(pattern)
 
     expected = bridge.run_with_hooks(
-        toks(), fwd_hooks=[(f"blocks.{LAYER}.attn.hook_pattern", mean_pattern)]
+        bridge_tokens(), fwd_hooks=[(f"blocks.{LAYER}.attn.hook_pattern", mean_pattern)]
     )
-    actual = bridge.run_with_hooks(toks(), fwd_hooks=ablations.uniform_gates(bridge, LAYER))
+    actual = bridge.run_with_hooks(
+        bridge_tokens(), fwd_hooks=ablations.uniform_gates(bridge, LAYER)
+    )
     assert_close(actual, expected)
 
 
-@pytest.mark.parametrize("bridge", DECODERS, indirect=True)
+@pytest.mark.parametrize("bridge", BRIDGE_DECODERS, indirect=True)
 @pytest.mark.parametrize("kind", ["isometric", "scalar"])
 @pytest.mark.parametrize("head", [1, None])
 def test_transport_patch_is_patched_output_weights(bridge, kind, head):
@@ -115,23 +98,23 @@ def test_transport_patch_is_patched_output_weights(bridge, kind, head):
         return out + einsum(z["z"], delta, "b q h e, h e d -> b q d")
 
     expected = bridge.run_with_hooks(
-        toks(),
+        bridge_tokens(),
         fwd_hooks=[
             (f"blocks.{LAYER}.attn.hook_z", grab_z),
             (f"blocks.{LAYER}.attn.o.hook_out", add_delta),
         ],
     )
     patch = getattr(ablations, f"{kind}_transport")(bridge, LAYER, head)
-    actual = bridge.run_with_hooks(toks(), fwd_hooks=patch)
+    actual = bridge.run_with_hooks(bridge_tokens(), fwd_hooks=patch)
     assert_close(actual, expected)
-    assert not torch.allclose(actual, bridge(toks()))
+    assert not torch.allclose(actual, bridge(bridge_tokens()))
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_ablation_sweep_on_a_bridge(arch):
     model = random_bridge(arch)
     names_before = sorted(model.hook_dict)
-    table = ablations.ablation_sweep(model, toks(), layers=[LAYER], progress=False)
+    table = ablations.ablation_sweep(model, bridge_tokens(), layers=[LAYER], progress=False)
     n_heads = model.cfg.n_heads
     assert len(table) == 4 * (n_heads + 1) + 1
     zero = table[table.ablation == "zero"]
@@ -148,4 +131,4 @@ def test_ablation_sweep_on_a_bridge(arch):
 @pytest.mark.parametrize("bridge", [b for b in BRIDGES if b[0] == "bert"], indirect=True)
 def test_bert_ablations_refuse_clearly(bridge):
     with pytest.raises(ConnWalkError, match="after the attention output"):
-        bridge.run_with_hooks(toks(), fwd_hooks=ablations.zero_transport(bridge, LAYER, 0))
+        bridge.run_with_hooks(bridge_tokens(), fwd_hooks=ablations.zero_transport(bridge, LAYER, 0))

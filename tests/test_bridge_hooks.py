@@ -15,7 +15,7 @@ import torch
 from einops import einsum
 
 import tl_connwalk
-from tests.architectures import BRIDGES
+from tests.architectures import BRIDGE_DECODERS, BRIDGES, bridge_tokens, cached_bridge
 from tests.tolerances import assert_close
 from tl_connwalk import bridge_hooks
 from tl_connwalk.core.walk import gates, patterns_from_walk, walk_matrix
@@ -23,26 +23,7 @@ from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.hooks import hook_name
 from tl_connwalk.toy import random_bridge
 
-DECODERS = [(arch, compat) for arch, compat in BRIDGES if arch != "bert"]
 LAYER = 1
-
-
-@functools.cache
-def _bridge(arch: str, compat: bool):
-    return random_bridge(arch, compatibility_mode=compat)
-
-
-@pytest.fixture
-def bridge(request):
-    """A toy Bridge, attached for the test and detached afterwards."""
-    model = _bridge(*request.param)
-    tl_connwalk.attach(model)
-    yield model
-    tl_connwalk.detach(model)
-
-
-def toks(batch: int = 2, pos: int = 7) -> torch.Tensor:
-    return torch.randint(0, 63, (batch, pos), generator=torch.Generator().manual_seed(5))
 
 
 def zero_head(head, tensor, hook):
@@ -73,8 +54,8 @@ def fingerprint(model) -> dict:
 
 @pytest.mark.parametrize(("arch", "compat"), BRIDGES)
 def test_attach_is_invisible_and_detach_exact(arch, compat):
-    model = _bridge(arch, compat)
-    tokens = toks()
+    model = cached_bridge(arch, compat)
+    tokens = bridge_tokens()
     with torch.no_grad():
         plain = model(tokens)
         before = fingerprint(model)
@@ -93,14 +74,14 @@ def test_attach_is_invisible_and_detach_exact(arch, compat):
 def test_points_carry_walk_gates_messages(bridge):
     names = [hook_name(LAYER, p) for p in ("walk", "gates", "messages")]
     names += [f"blocks.{LAYER}.attn.hook_pattern", f"blocks.{LAYER}.attn.hook_v"]
-    _, cache = bridge.run_with_cache(toks(), names_filter=names)
+    _, cache = bridge.run_with_cache(bridge_tokens(), names_filter=names)
     pattern = cache[names[3]]
     assert_close(cache[names[0]], walk_matrix(pattern))
     assert_close(cache[names[1]], gates(pattern))
     assert_close(cache[names[2]], expected_messages(bridge, cache[names[4]]))
 
 
-@pytest.mark.parametrize("bridge", DECODERS, indirect=True)
+@pytest.mark.parametrize("bridge", BRIDGE_DECODERS, indirect=True)
 @pytest.mark.parametrize("user_first", [False, True])
 def test_messages_see_a_user_edit_of_hook_v(bridge, user_first):
     """A user hook on hook_v runs before the messages are taken, in either order."""
@@ -115,16 +96,16 @@ def test_messages_see_a_user_edit_of_hook_v(bridge, user_first):
         (v_name, functools.partial(keep, "v")),
         (hook_name(LAYER, "messages"), functools.partial(keep, "m")),
     ]
-    bridge.run_with_hooks(toks(), fwd_hooks=double + ours if user_first else ours + double)
+    bridge.run_with_hooks(bridge_tokens(), fwd_hooks=double + ours if user_first else ours + double)
     # seen["v"] is the value before the doubling when our keep ran first
     final_value = seen["v"] if user_first else 2 * seen["v"]
     assert_close(seen["m"], expected_messages(bridge, final_value))
 
 
-@pytest.mark.parametrize("bridge", DECODERS, indirect=True)
+@pytest.mark.parametrize("bridge", BRIDGE_DECODERS, indirect=True)
 @pytest.mark.parametrize("head", [0, 3])
 def test_zero_messages_is_zeroing_hook_z(bridge, head):
-    tokens = toks()
+    tokens = bridge_tokens()
     ours = bridge.run_with_hooks(
         tokens, fwd_hooks=[(hook_name(LAYER, "messages"), functools.partial(zero_head, head))]
     )
@@ -135,10 +116,10 @@ def test_zero_messages_is_zeroing_hook_z(bridge, head):
     assert not torch.allclose(ours, bridge(tokens))
 
 
-@pytest.mark.parametrize("bridge", DECODERS, indirect=True)
+@pytest.mark.parametrize("bridge", BRIDGE_DECODERS, indirect=True)
 def test_walk_edit_is_pattern_edit(bridge):
     """Squaring W at hook_conn_walk == writing ``H W^2 g`` at hook_pattern by hand."""
-    tokens = toks()
+    tokens = bridge_tokens()
 
     def by_hand(pattern, hook):
         return patterns_from_walk(square_walk(walk_matrix(pattern), hook), gates(pattern))
@@ -149,9 +130,9 @@ def test_walk_edit_is_pattern_edit(bridge):
     assert not torch.allclose(ours, bridge(tokens))
 
 
-@pytest.mark.parametrize("bridge", DECODERS, indirect=True)
+@pytest.mark.parametrize("bridge", BRIDGE_DECODERS, indirect=True)
 def test_patching_cached_walk_and_gates_is_a_no_op(bridge):
-    tokens = toks()
+    tokens = bridge_tokens()
     names = [hook_name(LAYER, "walk"), hook_name(LAYER, "gates")]
     plain, cache = bridge.run_with_cache(tokens, names_filter=names)
     put = lambda t, hook: cache[hook.name]  # noqa: E731
@@ -164,8 +145,10 @@ def test_bert_refuses_edits_it_cannot_apply(bridge, point):
     """BERT's AttentionBridge fires hook_pattern after the output: edits raise, never vanish."""
     edit = lambda t, hook: 0.5 * t  # noqa: E731
     with pytest.raises(ConnWalkError, match="after the attention output"):
-        bridge.run_with_hooks(toks(), fwd_hooks=[(hook_name(LAYER, point), edit)])
-    assert torch.equal(bridge(toks()), bridge(toks()))  # and no hook is left behind
+        bridge.run_with_hooks(bridge_tokens(), fwd_hooks=[(hook_name(LAYER, point), edit)])
+    assert torch.equal(
+        bridge(bridge_tokens()), bridge(bridge_tokens())
+    )  # and no hook is left behind
 
 
 @pytest.mark.parametrize("bridge", [("gpt2", False), ("llama", True)], indirect=True)
@@ -177,14 +160,16 @@ def test_no_work_without_conn_hooks(bridge, monkeypatch):
         monkeypatch.setattr(bridge_hooks, name, forbidden)
     keep = lambda t, hook: t  # noqa: E731
     names = ("hook_pattern", "hook_v", "o.hook_out")
-    bridge.run_with_hooks(toks(), fwd_hooks=[(f"blocks.{LAYER}.attn.{n}", keep) for n in names])
+    bridge.run_with_hooks(
+        bridge_tokens(), fwd_hooks=[(f"blocks.{LAYER}.attn.{n}", keep) for n in names]
+    )
 
 
 def test_compatibility_mode_after_attach_keeps_points():
     model = random_bridge("gpt2")
     tl_connwalk.attach(model)
     model.enable_compatibility_mode()
-    _, cache = model.run_with_cache(toks(), names_filter=hook_name(LAYER, "walk"))
+    _, cache = model.run_with_cache(bridge_tokens(), names_filter=hook_name(LAYER, "walk"))
     assert cache[hook_name(LAYER, "walk")].shape == (2, 7, 7)
     tl_connwalk.detach(model)
     assert not any("hook_conn" in name for name in model.hook_dict)
@@ -206,14 +191,14 @@ def test_refuses_a_foreign_hook_point_subclass():
 def test_pos_slice_slices_the_position_axes(bridge):
     """walk/gates: the query axis (as for hook_pattern); messages: the key axis, not the heads."""
     names = [hook_name(LAYER, p) for p in ("walk", "gates", "messages")]
-    _, full = bridge.run_with_cache(toks(), names_filter=names)
-    _, sliced = bridge.run_with_cache(toks(), names_filter=names, pos_slice=2)
+    _, full = bridge.run_with_cache(bridge_tokens(), names_filter=names)
+    _, sliced = bridge.run_with_cache(bridge_tokens(), names_filter=names, pos_slice=2)
     assert torch.equal(sliced[names[0]], full[names[0]][:, 2:3])
     assert torch.equal(sliced[names[1]], full[names[1]][:, :, 2:3])
     assert torch.equal(sliced[names[2]], full[names[2]][:, 2:3])
 
 
-@pytest.mark.parametrize("bridge", DECODERS, indirect=True)
+@pytest.mark.parametrize("bridge", BRIDGE_DECODERS, indirect=True)
 def test_gradient_at_messages_is_pattern_transposed_output_gradient(bridge):
     """``dL/dm^h_k = sum_q A^h_qk dL/d out_q`` with ``out`` the output projection's value."""
     seen = {}
@@ -227,7 +212,7 @@ def test_gradient_at_messages_is_pattern_transposed_output_gradient(bridge):
     handle = o.register_full_backward_hook(lambda m, gi, go: seen.__setitem__("dout", go[0]))
     try:
         with bridge.hooks(fwd_hooks=fwd, bwd_hooks=bwd):
-            bridge(toks()).square().sum().backward()
+            bridge(bridge_tokens()).square().sum().backward()
     finally:
         handle.remove()
         bridge.zero_grad(set_to_none=True)
@@ -238,11 +223,11 @@ def test_gradient_at_messages_is_pattern_transposed_output_gradient(bridge):
 @pytest.mark.parametrize("bridge", [("llama", False)], indirect=True)
 def test_points_survive_reset_hooks_and_deepcopy(bridge):
     zero = [(hook_name(LAYER, "messages"), functools.partial(zero_head, 1))]
-    expected = bridge.run_with_hooks(toks(), fwd_hooks=zero)
+    expected = bridge.run_with_hooks(bridge_tokens(), fwd_hooks=zero)
     bridge.reset_hooks(including_permanent=True)
-    assert torch.equal(bridge.run_with_hooks(toks(), fwd_hooks=zero), expected)
+    assert torch.equal(bridge.run_with_hooks(bridge_tokens(), fwd_hooks=zero), expected)
     twin = copy.deepcopy(bridge)
-    assert torch.equal(twin.run_with_hooks(toks(), fwd_hooks=zero), expected)
+    assert torch.equal(twin.run_with_hooks(bridge_tokens(), fwd_hooks=zero), expected)
     assert twin.blocks[LAYER].attn.hook_v.__dict__["_tl_connwalk_conn"].attn is (
         twin.blocks[LAYER].attn
     )
@@ -251,12 +236,14 @@ def test_points_survive_reset_hooks_and_deepcopy(bridge):
 @pytest.mark.parametrize("bridge", [("bert", False)], indirect=True)
 def test_bert_allows_reading_and_no_op_patches(bridge):
     names = [hook_name(LAYER, p) for p in ("walk", "gates", "messages")]
-    plain, cache = bridge.run_with_cache(toks(), names_filter=names)
+    plain, cache = bridge.run_with_cache(bridge_tokens(), names_filter=names)
     put = lambda t, hook: cache[hook.name].clone()  # noqa: E731
-    assert torch.equal(bridge.run_with_hooks(toks(), fwd_hooks=[(n, put) for n in names]), plain)
+    assert torch.equal(
+        bridge.run_with_hooks(bridge_tokens(), fwd_hooks=[(n, put) for n in names]), plain
+    )
 
 
-@pytest.mark.parametrize("bridge", DECODERS, indirect=True)
+@pytest.mark.parametrize("bridge", BRIDGE_DECODERS, indirect=True)
 def test_transformer_lens_patching_on_new_names(bridge):
     """``transformer_lens.patching.generic_activation_patch`` drives the points on the Bridge.
 
@@ -267,7 +254,7 @@ def test_transformer_lens_patching_on_new_names(bridge):
     from transformer_lens import patching
 
     name = hook_name(LAYER, "messages")
-    clean, corrupted = toks(), toks().flip(-1)
+    clean, corrupted = bridge_tokens(), bridge_tokens().flip(-1)
     _, clean_cache = bridge.run_with_cache(clean, names_filter=[name])
     n_heads = clean_cache[name].shape[2]
 
