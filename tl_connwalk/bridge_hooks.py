@@ -41,6 +41,7 @@ from tl_connwalk.hooks import (
     _KeyAxisName,
     _messages,
     _MessagesHookPoint,
+    _remove_forward_hook,
     _through_walk,
 )
 
@@ -195,11 +196,7 @@ def uninstall(model: nn.Module) -> None:
     done = [(name, attn) for name, attn in _layers(bridge) if _installed(name, attn)]
     for name, attn in done:
         o = _projection(attn)
-        for key, hook in list(o._forward_hooks.items()):
-            if hook is _on_output:
-                del o._forward_hooks[key]
-                o._forward_hooks_with_kwargs.pop(key, None)
-                o._forward_hooks_always_called.pop(key, None)
+        _remove_forward_hook(o, _on_output)
         for point in (attn.hook_v, attn.hook_pattern):
             point.__class__ = HookPoint
         for holder in (attn.hook_v, attn.hook_pattern, o):

@@ -279,6 +279,15 @@ def _carries_points(
     return False
 
 
+def _remove_forward_hook(module: nn.Module, hook: object) -> None:
+    """Remove ``hook`` from ``module``'s forward hooks, with PyTorch's bookkeeping of it."""
+    for key, registered in list(module._forward_hooks.items()):
+        if registered is hook:
+            del module._forward_hooks[key]
+            module._forward_hooks_with_kwargs.pop(key, None)
+            module._forward_hooks_always_called.pop(key, None)
+
+
 def _installed(name: str, attn: nn.Module) -> bool:
     return _carries_points(
         name, attn, (_ValueHookPoint, _PatternHookPoint), attn, _apply_message_edits
@@ -326,11 +335,7 @@ def uninstall(model: nn.Module) -> None:
     root, layers = _attention_layers(model)
     done = [(name, attn) for name, attn in layers.items() if _installed(name, attn)]
     for name, attn in done:
-        for key, hook in list(attn._forward_hooks.items()):
-            if hook is _apply_message_edits:
-                del attn._forward_hooks[key]
-                attn._forward_hooks_with_kwargs.pop(key, None)
-                attn._forward_hooks_always_called.pop(key, None)
+        _remove_forward_hook(attn, _apply_message_edits)
         for point in (attn.hook_v, attn.hook_pattern):
             point.__class__ = HookPoint
             del point.__dict__["_conn"]
