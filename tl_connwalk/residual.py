@@ -14,7 +14,7 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from tl_connwalk.core import field_defect, isometry, laplacian, markov
+from tl_connwalk.core import draws, field_defect, isometry, laplacian, markov
 from tl_connwalk.core.isometry import RandomBaseline
 from tl_connwalk.core.laplacian import NearestOperatorDistance
 from tl_connwalk.errors import ConnWalkError
@@ -168,8 +168,12 @@ def laplacian_residual(
         query_chunk: query rows per chunk of the per-edge work (``None``: as many as fit
             ``isometry.CHUNK_ENTRIES`` numbers); the results do not depend on it.
 
-    Cost: ``O(H^3 d_head^3)`` per layer for the Gram tensors, ``O(batch n^2 H^4)`` for the
-    per-edge defects, times ``1 + baseline_draws``; memory stays at the size of the pattern.
+    Cost: ``O(H^3 d_head^3)`` for the layer's Gram tensors; the random draws' Grams are
+    computed once per head shape and seed and shared by every layer (`core.draws`), each
+    layer rescaling them to its head norms; ``O(batch n^2 H^4 / 4)`` per-edge work for the
+    layer and each draw in one pass over the gates; the field defect's messages
+    ``O(batch n H d_head d_model)`` for the layer and each draw. Memory stays at the size of
+    the pattern plus the ``H^2 d_head^2`` Grams and one chunk.
 
     >>> res = walk.laplacian_residual()
     >>> res.transport_defect.shape, res.baseline["transport_defect"].mean.shape
@@ -195,26 +199,34 @@ def laplacian_residual(
         covered = isometry.covered_mass_share(W, selected, exclude_sink=exclude_sink)
         # share 1 keeps every edge: the all-edge path itself, not a gathered copy of it
         kept = None if mass_share >= 1.0 else selected
-
-    def transport_defect(values: Tensor, outputs: Tensor) -> Tensor:
-        return isometry.effective_transport_defect(
-            W, g, values, outputs, exclude_sink=exclude_sink, edges=kept, query_chunk=query_chunk
-        )
-
-    def field(values: Tensor, outputs: Tensor) -> Tensor:
-        return field_defect.field_isometry_defect(
-            X, W, g, values, outputs, exclude_sink=exclude_sink, query_chunk=query_chunk
-        )
-
-    measures = {
-        "head_defects": isometry.head_transport_defects,
-        "transport_defect": transport_defect,
-        "field_defect": field,
-    }
-    baseline = isometry.random_baselines(measures, W_V, W_O, baseline_draws, seed=seed)
-    unit_scale = isometry.common_scale(
-        W, g, W_V, W_O, exclude_sink=exclude_sink, query_chunk=query_chunk
+    rank = isometry.effective_rank(W_V, W_O)
+    K2, K4 = isometry.gram_matrices(W_V, W_O)
+    # the layer and its random draws (shared by every layer of this shape) as one family each
+    rand = draws.layer_draws(W_V, W_O, baseline_draws, seed)
+    transport = isometry.gram_defect_means(
+        W, g, torch.cat([K2[None], rand.K2]),
+        torch.cat([isometry.fold_pairs(K4)[None], rand.pair_gram]), rank,
+        exclude_sink=exclude_sink, edges=kept, query_chunk=query_chunk,
+    )  # fmt: skip
+    unit_scale = isometry.walk_weighted_mean(
+        W,
+        isometry.edge_frobenius_scales(g, K2, rank, W, query_chunk=query_chunk),
+        exclude_sink=exclude_sink,
     )
+
+    def field(values: Tensor, outputs: Tensor, grams: Tensor | None = None) -> Tensor:
+        return field_defect.field_isometry_defect(
+            X, W, g, values, outputs, exclude_sink=exclude_sink, query_chunk=query_chunk,
+            grams=grams,
+        )  # fmt: skip
+
+    grams = field_defect.message_grams(X, W_V, W_O)
+    head_defects = isometry.head_transport_defects(W_V, W_O)
+    baseline = {
+        "head_defects": rand.head_defects,
+        "transport_defect": transport[1:],
+        "field_defect": torch.stack([field(*factors) for factors in rand.factors()]),
+    }
     nearest = None
     if exact:
         nearest = laplacian.nearest_connection_operator_distance(
@@ -226,16 +238,19 @@ def laplacian_residual(
         reversibility=reversibility.residual,
         mu=reversibility.mu,
         mu_kind=reversibility.mu_kind,
-        transport_defect=transport_defect(W_V, W_O),
+        transport_defect=transport[0],
         scale=scale,
         pairing=pairing.residual if bool(pairing.applicable.any()) else None,
         pairing_applicable=pairing.applicable,
-        head_defects=isometry.head_transport_defects(W_V, W_O),
-        field_defect=field(W_V, W_O),
+        head_defects=head_defects,
+        field_defect=field(W_V, W_O, grams),
         head_field_defects=field_defect.head_field_isometry_defects(
-            X, W, g, W_V, W_O, exclude_sink=exclude_sink, query_chunk=query_chunk
+            X, W, g, W_V, W_O, exclude_sink=exclude_sink, query_chunk=query_chunk, grams=grams
         ),
-        baseline=baseline,
+        baseline={
+            name: RandomBaseline(values.to(isometry.working_dtype(values)))
+            for name, values in baseline.items()
+        },
         exclude_sink=exclude_sink,
         nearest_operator=nearest,
         layer=walk.layer,

@@ -57,24 +57,25 @@ def message_grams(
 ) -> Float[Tensor, "batch key head head"]:
     """The head-message Gram ``G_j[a,b] = (x_j T^a) . (x_j T^b)`` of every key.
 
-    Through the values ``v^h_j = x_j W_V^h``: ``G_j[a,b] = v^a_j (W_O^a W_O^b^T) v^b_j^T``,
-    ``O(batch n H^2 d_head^2 + H^2 d_head^2 d_model)``, one head ``a`` at a time: no
-    ``[batch, key, head, d_model]`` messages and no ``H^2 d_head^2`` output Gram are kept
-    (working memory ``O(batch n H d_head + H d_head^2)``).
+    Through the messages ``m^h_j = (x_j W_V^h) W_O^h``, a block of keys at a time (at most
+    ``isometry.CHUNK_ENTRIES`` message entries): ``O(batch n H d_head d_model + batch n H^2
+    d_model)`` time, working memory one block of ``[key, head, d_model]`` messages; the
+    ``d_model x d_model`` maps ``T^h`` and the ``H^2 d_head^2`` output Gram are never formed.
 
     >>> message_grams(torch.randn(1, 3, 8), torch.randn(2, 8, 4), torch.randn(2, 4, 8)).shape
     torch.Size([1, 3, 2, 2])
     """
     field, W_V, W_O = _cast(field, W_V, W_O)
+    batch, n_key, d_model = field.shape
     n_heads = W_V.shape[0]
-    # head by head: an einsum over the head axis would copy W_V into matmul layout first
-    values = torch.stack([field @ W_V[h] for h in range(n_heads)], dim=2)
-    grams = values.new_empty(*values.shape[:2], n_heads, n_heads)  # filled row by row
-    for a in range(n_heads):
-        out_gram = torch.stack([W_O[a] @ W_O[c].mT for c in range(n_heads)])  # [c, p, q]
-        mapped = einsum(values[:, :, a], out_gram, "batch key p, c p q -> batch key c q")
-        grams[:, :, a] = einsum(mapped, values, "batch key c q, batch key c q -> batch key c")
-    return grams
+    keys = rearrange(field, "batch key d_model -> (batch key) d_model")
+    grams = keys.new_empty(batch * n_key, n_heads, n_heads)  # filled block by block
+    for block in _query_chunks(batch * n_key, n_heads * d_model):
+        messages = keys.new_empty(keys[block].shape[0], n_heads, d_model)
+        for h in range(n_heads):  # head by head: no W_V-sized layout copy
+            messages[:, h] = (keys[block] @ W_V[h]) @ W_O[h]
+        grams[block] = messages @ messages.mT
+    return rearrange(grams, "(batch key) a b -> batch key a b", batch=batch)
 
 
 def _field_norms(field: Tensor) -> Tensor:
@@ -96,6 +97,7 @@ def message_norm_ratios(
     *,
     query_chunk: int | None = None,
     walk: Float[Tensor, "batch query key"] | None = None,
+    grams: Float[Tensor, "batch key head head"] | None = None,
 ) -> Float[Tensor, "batch query key"]:
     """``rho_ij = ||x_j T_ij|| / ||x_j||`` on every pair, ``||x_j T_ij||^2 = H^2 g_ij^T G_j g_ij``.
 
@@ -103,7 +105,8 @@ def message_norm_ratios(
     Chunked over queries (``query_chunk`` rows, ``None``: as many as fit
     ``isometry.CHUNK_ENTRIES`` numbers); the result does not depend on the chunking. With
     ``walk``, each chunk stops at its last edge's key and leaves 0 beyond (the future of a
-    causal walk): the same values on every edge, about half the work.
+    causal walk): the same values on every edge, about half the work. ``grams``: the
+    `message_grams` of ``field``, ``W_V``, ``W_O`` when already computed.
 
     >>> A = torch.softmax(torch.randn(1, 2, 3, 3), -1)
     >>> message_norm_ratios(torch.randn(1, 3, 8), A / A.sum(1, keepdim=True),
@@ -118,7 +121,7 @@ def message_norm_ratios(
         )
     _check_chunk(query_chunk)
     batch, n_heads, n_query, n_key = gates.shape
-    grams = message_grams(field, W_V, W_O)
+    grams = message_grams(field, W_V, W_O) if grams is None else grams.to(gates)
     norm_sq = gates.new_zeros(batch, n_query, n_key)
     for rows, keys in _edge_chunks(n_query, n_key, batch * n_heads * n_key, query_chunk, walk):
         g = gates[:, :, rows, :keys]
@@ -134,17 +137,21 @@ def head_message_norm_ratios(
     field: Float[Tensor, "batch key d_model"],
     W_V: Float[Tensor, "head d_model d_head"],
     W_O: Float[Tensor, "head d_head d_model"],
+    *,
+    grams: Float[Tensor, "batch key head head"] | None = None,
 ) -> Float[Tensor, "batch key head"]:
     """``rho^h_j = ||x_j T^h|| / ||x_j||``: the same for every query, so indexed by key only.
 
-    0 where ``x_j = 0``.
+    0 where ``x_j = 0``. ``grams``: the `message_grams` of these inputs when already computed.
 
     >>> head_message_norm_ratios(torch.randn(1, 3, 8), torch.randn(2, 8, 4),
     ...                          torch.randn(2, 4, 8)).shape
     torch.Size([1, 3, 2])
     """
     field, W_V, W_O = _cast(field, W_V, W_O)
-    norm_sq = message_grams(field, W_V, W_O).diagonal(dim1=-2, dim2=-1)
+    if grams is None:
+        grams = message_grams(field, W_V, W_O)
+    norm_sq = grams.to(field).diagonal(dim1=-2, dim2=-1)
     return _ratio(norm_sq, _field_norms(field)[:, :, None])
 
 
@@ -165,12 +172,14 @@ def field_isometry_defect(
     *,
     exclude_sink: bool = False,
     query_chunk: int | None = None,
+    grams: Float[Tensor, "batch key head head"] | None = None,
 ) -> Float[Tensor, " batch"]:
     """The field isometry defect: the walk-weighted coefficient of variation of ``rho_ij``.
 
     ``CV = sqrt(sum p (rho - m)^2) / m``, ``m = sum p rho``, ``p_ij ~ W_ij`` as in
     `tl_connwalk.core.isometry.walk_weighted_cv` (``exclude_sink`` drops key 0 and
-    renormalises rows). Invariant under ``x -> c x`` and ``T -> c T``. ``O(batch n^2 H^2)``.
+    renormalises rows). Invariant under ``x -> c x`` and ``T -> c T``. ``O(batch n^2 H^2)``
+    beside the `message_grams` (pass them as ``grams`` when already computed).
 
     >>> A = torch.softmax(torch.randn(1, 1, 3, 3), -1)
     >>> Q = torch.linalg.qr(torch.randn(8, 8)).Q
@@ -178,7 +187,9 @@ def field_isometry_defect(
     ...                       3 * Q[None], Q.T[None])
     tensor([0.])
     """
-    rho = message_norm_ratios(field, gates, W_V, W_O, query_chunk=query_chunk, walk=walk)
+    rho = message_norm_ratios(
+        field, gates, W_V, W_O, query_chunk=query_chunk, walk=walk, grams=grams
+    )
     edges = _sent(field, rho.shape)
     return walk_weighted_cv(walk, rho, exclude_sink=exclude_sink, edges=edges)
 
@@ -192,6 +203,7 @@ def head_field_isometry_defects(
     *,
     exclude_sink: bool = False,
     query_chunk: int | None = None,
+    grams: Float[Tensor, "batch key head head"] | None = None,
 ) -> Float[Tensor, "batch head"]:
     """Per head: the CV of ``rho^h_j = ||x_j T^h|| / ||x_j||`` weighted by that head's walk.
 
@@ -213,7 +225,7 @@ def head_field_isometry_defects(
         )
     check_flag(exclude_sink, "exclude_sink")
     _check_chunk(query_chunk)
-    rho = head_message_norm_ratios(field, W_V, W_O)  # [batch, key, head]
+    rho = head_message_norm_ratios(field, W_V, W_O, grams=grams)  # [batch, key, head]
     walk_w, gates_w = walk.to(rho), gates.to(rho)
     if (walk_w < 0).any():
         raise ConnWalkError("walk has negative entries; a walk matrix is >= 0 (SPEC 1).")

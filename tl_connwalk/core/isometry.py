@@ -197,17 +197,22 @@ def _products(left: Tensor, right: Tensor) -> Tensor:
     return torch.stack([left @ right[b] for b in range(right.shape[0])])
 
 
-def _head_norms_sq(W_V: Tensor, W_O: Tensor) -> Tensor:
-    """``||T^h||_F^2 = tr(GV[h,h] GO[h,h])``, the diagonal of `head_gram` alone: ``[H]``."""
+def head_norms_sq(
+    W_V: Float[Tensor, "head d_model d_head"], W_O: Float[Tensor, "head d_head d_model"]
+) -> Float[Tensor, " head"]:
+    """``||T^h||_F^2 = tr(GV[h,h] GO[h,h])``, the diagonal of `head_gram` alone."""
     return einsum(W_V.mT @ W_V, W_O @ W_O.mT, "head p q, head q p -> head")
 
 
 def _head_factor_grams(W_V: Tensor, W_O: Tensor) -> tuple[Tensor, Tensor]:
-    """``GV[a,b] = W_V^a^T W_V^b`` and ``GO[a,b] = W_O^a W_O^b^T``, both ``[H, H, d_h, d_h]``."""
-    W_O_t = W_O.mT
-    gram_v = torch.stack([_products(W_V[a].mT, W_V) for a in range(W_V.shape[0])])
-    gram_o = torch.stack([_products(W_O[a], W_O_t) for a in range(W_O.shape[0])])
-    return gram_v, gram_o
+    """``GV = W_V^cat^T W_V^cat`` and ``GO = W_O^cat W_O^cat^T``, both ``[H d_h, H d_h]``.
+
+    Block ``(a, b)`` of ``GV`` is ``W_V^a^T W_V^b`` and of ``GO`` is ``W_O^a W_O^b^T``. Two
+    matrix products on the concatenated factors (one ``W_V``-sized layout copy each).
+    """
+    values = rearrange(W_V, "head d_model d_head -> d_model (head d_head)")
+    outputs = rearrange(W_O, "head d_head d_model -> (head d_head) d_model")
+    return values.mT @ values, outputs @ outputs.mT
 
 
 def head_gram(
@@ -256,11 +261,13 @@ def gram_matrices(
 ) -> tuple[Float[Tensor, "head head"], Float[Tensor, "head head head head"]]:
     """The head Grams ``K2[a,b] = tr(T^a^T T^b)`` and ``K4[a,b,c,e] = tr(T^b^T T^a T^c^T T^e)``.
 
-    With ``GV[a,b] = W_V^a^T W_V^b`` and ``GO[a,b] = W_O^a W_O^b^T`` (``d_head x d_head``)::
+    With ``GV[a,b] = W_V^a^T W_V^b`` and ``GO[a,b] = W_O^a W_O^b^T`` (``d_head x d_head``
+    blocks of two ``H d_head``-square Grams, one matrix product each)::
 
+        K2[a,b]     = tr(GV[a,b] GO[b,a])
         K4[a,b,c,e] = tr(GV[b,a] GO[a,c] GV[c,e] GO[e,b])
 
-    built through the ``H^3`` products ``X[b,a,c] = GV[b,a] GO[a,c]`` and
+    ``K4`` is built through the ``H^3`` products ``X[b,a,c] = GV[b,a] GO[a,c]`` and
     ``Y[b,c,e] = GV[c,e] GO[e,b]``, one ``b`` and a block of ``c`` at a time (batched
     ``d_head x d_head`` matmuls, blocks of at most ``CHUNK_ENTRIES / 4`` numbers): working
     memory the two Grams (``2 H^2 d_head^2`` numbers) plus one block (never ``H^4 d^2``), time
@@ -271,18 +278,22 @@ def gram_matrices(
     (torch.Size([3, 3]), torch.Size([3, 3, 3, 3]))
     """
     W_V, W_O = _cast_heads(W_V, W_O)
-    n_heads = W_V.shape[0]
+    n_heads, _, d_head = W_V.shape
     gram_v, gram_o = _head_factor_grams(W_V, W_O)
-    K2 = einsum(gram_v, gram_o, "a b p q, b a q p -> a b")
-    d_head = gram_v.shape[-1]
-    K4 = gram_v.new_zeros(n_heads, n_heads, n_heads, n_heads)
+    K2 = reduce(gram_v * gram_o, "(a p) (b q) -> a b", "sum", a=n_heads, b=n_heads)  # GO^T = GO
+    blocks = "(a p) (b q) -> a b p q"
+    gram_v = rearrange(gram_v, blocks, a=n_heads, b=n_heads).contiguous()
+    gram_o = rearrange(gram_o, blocks, a=n_heads, b=n_heads).contiguous()
+    K4 = gram_v.new_empty(n_heads, n_heads, n_heads, n_heads)
     step = max(1, CHUNK_ENTRIES // (8 * n_heads * d_head * d_head))
     for b in range(n_heads):
         for start in range(0, n_heads, step):
             cs = slice(start, start + step)
             X = gram_v[b][:, None] @ gram_o[:, cs]  # [a, c, p, s] = GV[b,a] GO[a,c]
             Y_t = gram_o[b][:, None] @ gram_v[:, cs]  # [e, c, p, s] = (GV[c,e] GO[e,b])^T
-            K4[:, b, cs, :] = einsum(X, Y_t, "a c p s, e c p s -> a c e")
+            X = rearrange(X, "a c p s -> c a (p s)")
+            Y_t = rearrange(Y_t, "e c p s -> c (p s) e")
+            K4[:, b, cs, :] = rearrange(X @ Y_t, "c a e -> a c e")
     return K2, K4
 
 
@@ -354,58 +365,60 @@ def _edge_frobenius_sq(
     return out.mul_(n_heads**2)
 
 
-def _folded_pair_gram(K4: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Unordered head pairs ``{a, c}`` (``a <= c``) and ``S^T K4 S`` over them.
+def head_pairs(n_heads: int, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
+    """The unordered head pairs ``{a, c}``, ``a <= c``, as index tensors ``(first, second)``."""
+    first, second = torch.triu_indices(n_heads, n_heads, device=device)
+    return first, second
+
+
+def fold_pairs(K4: Float[Tensor, "head head head head"]) -> Float[Tensor, "pair pair"]:
+    """``K4`` folded onto unordered head pairs: ``S^T K4 S`` over `head_pairs` (``a <= c``).
 
     ``K4`` is the Gram matrix of the pair maps ``T^a T^c^T`` (symmetric in ``(a c) <-> (b e)``)
     and ``g^a g^c`` is symmetric in ``a, c``: folding each unordered pair into one coordinate
-    cuts the per-edge work of ``sum g^a g^b g^c g^e K4[a,b,c,e]`` from ``H^4`` to ``~H^4 / 4``.
+    cuts the per-edge work of ``sum g^a g^b g^c g^e K4[a,b,c,e]`` from ``H^4`` to ``~H^4 / 4``:
+    ``sum sigma^4(T_ij) = H^4 u^T F u`` with ``u_{ac} = g^a g^c``.
+
+    >>> fold_pairs(torch.ones(2, 2, 2, 2))
+    tensor([[1., 2., 1.],
+            [2., 4., 2.],
+            [1., 2., 1.]])
     """
     n_heads = K4.shape[0]
-    first, second = torch.triu_indices(n_heads, n_heads, device=K4.device)
+    first, second = head_pairs(n_heads, K4.device)
     fold = torch.zeros(n_heads, n_heads, first.numel(), dtype=K4.dtype, device=K4.device)
     pair = torch.arange(first.numel(), device=K4.device)
     fold[first, second, pair] = 1.0
     fold[second, first, pair] = 1.0
     fold = rearrange(fold, "a c pair -> (a c) pair")
-    return first, second, fold.T @ rearrange(K4, "a b c e -> (a c) (b e)") @ fold
+    return fold.T @ rearrange(K4, "a b c e -> (a c) (b e)") @ fold
 
 
-def _edge_sigma4(
-    gates: Tensor, K4: Tensor, query_chunk: int | None = None, walk: Tensor | None = None
-) -> Tensor:
-    """``sum sigma^4(T_ij) = H^4 sum g^a g^b g^c g^e K4[a,b,c,e]``, chunked over queries.
+def _family_gram_defects(
+    g: Tensor, K2: Tensor, pair_gram: Tensor, rank: int
+) -> tuple[Tensor, Tensor]:
+    """``eps`` and ``sum sigma^2`` of the edges with gates ``g`` ``[..., head]``, per family.
 
-    With ``walk``, keys past each chunk's last edge are skipped (`_edge_chunks`).
+    ``K2`` ``[family, head, head]`` and ``pair_gram`` ``[family, pair, pair]`` (`fold_pairs`)
+    describe several transport families on the same gates (a layer and its random draws):
+    one pass over the gates, one matrix product per Gram for all families. ``[..., family]``.
     """
-    batch, n_heads, n_query, n_key = gates.shape
-    first, second, pairs = _folded_pair_gram(K4)
-    out = gates.new_zeros(batch, n_query, n_key)
-    # four chunk-sized temporaries: the two gathered gates, their product and its image
-    per_query = 4 * batch * n_key * first.numel()
-    for rows, keys in _edge_chunks(n_query, n_key, per_query, query_chunk, walk):
-        g = gates[:, :, rows, :keys]
-        outer = g[:, first] * g[:, second]
-        outer = rearrange(outer, "batch pair query key -> batch query key pair")
-        out[:, rows, :keys] = einsum(
-            outer @ pairs, outer, "batch query key pair, batch query key pair -> batch query key"
-        )
-    return out.mul_(n_heads**4)
+    families, n_heads = K2.shape[:2]
+    first, second = head_pairs(n_heads, g.device)
+    mixed = g @ rearrange(K2, "family a b -> a (family b)")
+    mixed = rearrange(mixed, "... (family b) -> ... family b", family=families)
+    sigma2 = n_heads**2 * einsum(mixed, g, "... family b, ... b -> ... family")
+    outer = g[..., first] * g[..., second]
+    mixed = outer @ rearrange(pair_gram, "family p q -> p (family q)")
+    mixed = rearrange(mixed, "... (family q) -> ... family q", family=families)
+    sigma4 = n_heads**4 * einsum(mixed, outer, "... family q, ... q -> ... family")
+    return _ratio_defect(rank * sigma4 - sigma2**2, rank * sigma4), sigma2
 
 
-def _listed_edge_gram_defects(edge_gates: Tensor, K2: Tensor, K4: Tensor, rank: int) -> Tensor:
-    """``eps`` of a list of edges from their gates ``[edge, head]``, chunked over edges."""
-    n_edges, n_heads = edge_gates.shape
-    first, second, pairs = _folded_pair_gram(K4)
-    step = max(1, CHUNK_ENTRIES // max(1, 4 * first.numel() + n_heads))
-    out = edge_gates.new_zeros(n_edges)  # filled chunk by chunk (see `_query_chunks`)
-    for start in range(0, n_edges, step):
-        g = edge_gates[start : start + step]
-        sigma2 = n_heads**2 * einsum(g @ K2, g, "edge b, edge b -> edge")
-        outer = g[:, first] * g[:, second]
-        sigma4 = n_heads**4 * einsum(outer @ pairs, outer, "edge pair, edge pair -> edge")
-        out[start : start + step] = _ratio_defect(rank * sigma4 - sigma2**2, rank * sigma4)
-    return out
+def _family_entries(n_heads: int, families: int) -> int:
+    """Numbers per edge held by `_family_gram_defects` (gates, pair products, images)."""
+    n_pairs = n_heads * (n_heads + 1) // 2
+    return 2 * (n_heads + n_pairs) * (families + 1)
 
 
 def heaviest_edges(
@@ -521,19 +534,97 @@ def edge_gram_defects(
     _check_chunk(query_chunk)
     gates, K2, K4 = _cast_gates(gates, K2, K4)
     if edges is not None:
-        if edges.shape != gates.shape[:1] + gates.shape[2:]:
-            raise ConnWalkError(
-                f"edges {tuple(edges.shape)} must be [batch, query, key] like the gates' "
-                f"{tuple(gates.shape[:1] + gates.shape[2:])}."
-            )
+        _check_edges(edges, gates)
         b, i, j = edges.to(gates.device).nonzero(as_tuple=True)
         eps = torch.zeros(edges.shape, dtype=gates.dtype, device=gates.device)
-        eps[b, i, j] = _listed_edge_gram_defects(gates[b, :, i, j], K2, K4, rank)
+        listed = _listed_family_defects(gates[b, :, i, j], K2[None], fold_pairs(K4)[None], rank)
+        eps[b, i, j] = listed[:, 0]
         return _zero_off_walk(eps, walk)
-    sigma2 = _edge_frobenius_sq(gates, K2, query_chunk, walk)
-    sigma4 = _edge_sigma4(gates, K4, query_chunk, walk)
-    spread = rank * sigma4 - sigma2**2
-    return _zero_off_walk(_ratio_defect(spread, rank * sigma4), walk)
+    batch, n_heads, n_query, n_key = gates.shape
+    pair_gram = fold_pairs(K4)[None]
+    eps = gates.new_zeros(batch, n_query, n_key)  # filled chunk by chunk (see `_query_chunks`)
+    per_query = batch * n_key * _family_entries(n_heads, 1)
+    for rows, keys in _edge_chunks(n_query, n_key, per_query, query_chunk, walk):
+        g = rearrange(gates[:, :, rows, :keys], "batch head query key -> batch query key head")
+        eps[:, rows, :keys] = _family_gram_defects(g, K2[None], pair_gram, rank)[0][..., 0]
+    return _zero_off_walk(eps, walk)
+
+
+def _check_edges(edges: Tensor, gates: Tensor) -> None:
+    if edges.shape != gates.shape[:1] + gates.shape[2:]:
+        raise ConnWalkError(
+            f"edges {tuple(edges.shape)} must be [batch, query, key] like the gates' "
+            f"{tuple(gates.shape[:1] + gates.shape[2:])}."
+        )
+
+
+def _listed_family_defects(edge_gates: Tensor, K2: Tensor, pair_gram: Tensor, rank: int) -> Tensor:
+    """`_family_gram_defects` of a list of edges (gates ``[edge, head]``), chunked over edges."""
+    n_edges, n_heads = edge_gates.shape
+    step = max(1, CHUNK_ENTRIES // _family_entries(n_heads, K2.shape[0]))
+    out = edge_gates.new_zeros(n_edges, K2.shape[0])  # filled chunk by chunk
+    for start in range(0, n_edges, step):
+        out[start : start + step] = _family_gram_defects(
+            edge_gates[start : start + step], K2, pair_gram, rank
+        )[0]
+    return out
+
+
+def gram_defect_means(
+    walk: Float[Tensor, "batch query key"],
+    gates: Float[Tensor, "batch head query key"],
+    K2: Float[Tensor, "family head head"],
+    pair_gram: Float[Tensor, "family pair pair"],
+    rank: int,
+    *,
+    exclude_sink: bool = False,
+    edges: Bool[Tensor, "batch query key"] | None = None,
+    query_chunk: int | None = None,
+) -> Float[Tensor, "family batch"]:
+    """`effective_transport_defect` of several transport families on one walk, in one pass.
+
+    Family ``f`` has head Grams ``K2[f]`` and ``pair_gram[f] = fold_pairs(K4[f])``, e.g. a
+    layer and its random baseline draws, which share the walk and the gates: the gates are
+    read once and each chunk's ``eps`` of every family is folded into the walk-weighted mean
+    at once (`walk_weighted_mean`, same ``exclude_sink`` and ``edges``), so no ``[batch, n, n]``
+    defect is kept per family. Time ``O(batch n^2 family H^4 / 4)``, memory the walk's size
+    plus one chunk (``query_chunk`` rows, ``None``: ``CHUNK_ENTRIES`` numbers).
+
+    >>> A = torch.softmax(torch.randn(1, 2, 4, 4), -1)
+    >>> K2, K4 = gram_matrices(torch.randn(2, 8, 4), torch.randn(2, 4, 8))
+    >>> gram_defect_means(A.mean(1), A / A.sum(1, keepdim=True), K2[None],
+    ...                   fold_pairs(K4)[None], rank=8).shape
+    torch.Size([1, 1])
+    """
+    if K2.ndim != 3 or pair_gram.ndim != 3 or K2.shape[0] != pair_gram.shape[0]:
+        raise ConnWalkError(
+            f"K2 {tuple(K2.shape)} and pair_gram {tuple(pair_gram.shape)} must be "
+            "[family, head, head] and [family, pair, pair] with the same families."
+        )
+    _check_gates(gates, K2.shape[1])
+    _check_rank(rank)
+    _check_chunk(query_chunk)
+    gates, K2, pair_gram = _cast_gates(gates, K2, pair_gram)
+    weights, rows_with_mass = _edge_weights(walk, check_flag(exclude_sink, "exclude_sink"), edges)
+    weights = weights.to(device=gates.device, dtype=gates.dtype)
+    if edges is not None:
+        _check_edges(edges, gates)
+        b, i, j = (weights > 0).nonzero(as_tuple=True)
+        eps = _listed_family_defects(gates[b, :, i, j], K2, pair_gram, rank)
+        total = gates.new_zeros(K2.shape[0], gates.shape[0])
+        total.index_add_(1, b, (weights[b, i, j, None] * eps).T)
+    else:
+        batch, n_heads, n_query, n_key = gates.shape
+        total = gates.new_zeros(K2.shape[0], batch)
+        per_query = batch * n_key * _family_entries(n_heads, K2.shape[0])
+        for rows, keys in _edge_chunks(n_query, n_key, per_query, query_chunk, walk):
+            g = rearrange(gates[:, :, rows, :keys], "batch head query key -> batch query key head")
+            eps = _family_gram_defects(g, K2, pair_gram, rank)[0]
+            weight = weights[:, rows, :keys]
+            eps = torch.where(weight[..., None] > 0, eps, torch.zeros_like(eps))
+            total += einsum(weight, eps, "batch query key, batch query key family -> family batch")
+    rows_with_mass = rows_with_mass.to(total)
+    return torch.where(rows_with_mass > 0, total / rows_with_mass.clamp_min(1.0), 0.0)
 
 
 def edge_frobenius_scales(
@@ -721,10 +812,12 @@ def effective_transport_defect(
     torch.Size([1])
     """
     K2, K4 = gram_matrices(W_V, W_O)
-    eps = edge_gram_defects(
-        gates, K2, K4, effective_rank(W_V, W_O), walk, edges=edges, query_chunk=query_chunk
-    )
-    return walk_weighted_mean(walk, eps, exclude_sink=exclude_sink, edges=edges)
+    rank = effective_rank(W_V, W_O)
+    means = gram_defect_means(
+        walk, gates, K2[None], fold_pairs(K4)[None], rank,
+        exclude_sink=exclude_sink, edges=edges, query_chunk=query_chunk,
+    )  # fmt: skip
+    return means[0]
 
 
 def common_scale(
@@ -770,12 +863,31 @@ def random_head_factors(
             f"the generator is on {generator.device} but the weights are on {W_V.device}; "
             "pass torch.Generator(device=W_V.device) or an integer seed."
         )
-    rand_V = torch.randn(W_V.shape, dtype=W_V.dtype, device=W_V.device, generator=generator)
-    rand_O = torch.randn(W_O.shape, dtype=W_O.dtype, device=W_O.device, generator=generator)
-    target = _head_norms_sq(W_V, W_O).clamp_min(0.0).sqrt()
-    drawn = _head_norms_sq(rand_V, rand_O).clamp_min(0.0).sqrt()
-    factor = torch.where(drawn > 0, target / torch.where(drawn > 0, drawn, 1.0), 0.0).sqrt()
+    rand_V, rand_O = gaussian_factors(W_V.shape, W_O.shape, W_V.dtype, W_V.device, generator)
+    factor = draw_scales(head_norms_sq(W_V, W_O), head_norms_sq(rand_V, rand_O)).sqrt()
     return rand_V.mul_(factor[:, None, None]), rand_O.mul_(factor[:, None, None])
+
+
+def gaussian_factors(
+    v_shape: torch.Size,
+    o_shape: torch.Size,
+    dtype: torch.dtype,
+    device: torch.device,
+    generator: torch.Generator,
+) -> tuple[Tensor, Tensor]:
+    """Standard Gaussian ``R_V``, ``R_O`` of the given shapes: the raw draw of
+    `random_head_factors`, drawn in that order from ``generator``."""
+    rand_V = torch.randn(v_shape, dtype=dtype, device=device, generator=generator)
+    return rand_V, torch.randn(o_shape, dtype=dtype, device=device, generator=generator)
+
+
+def draw_scales(target_sq: Float[Tensor, " head"], drawn_sq: Float[Tensor, " head"]) -> Tensor:
+    """``s_h = ||T^h||_F / ||R^h||_F`` from the squared norms: ``s_h R^h`` has ``T^h``'s norm.
+
+    0 where the draw ``R^h`` is 0. `random_head_factors` gives both factors ``sqrt(s_h)``.
+    """
+    target, drawn = target_sq.clamp_min(0.0).sqrt(), drawn_sq.clamp_min(0.0).sqrt()
+    return torch.where(drawn > 0, target / torch.where(drawn > 0, drawn, 1.0), 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -824,6 +936,12 @@ def random_baseline(
     return random_baselines({"measure": measure}, W_V, W_O, n_draws, seed=seed)["measure"]
 
 
+def check_draws(n_draws: object) -> None:
+    """A ConnWalkError unless ``n_draws`` is an integer ``>= 2`` (a spread needs two draws)."""
+    if isinstance(n_draws, bool) or not isinstance(n_draws, int) or n_draws < 2:
+        raise ConnWalkError(f"n_draws must be an integer >= 2 (for a spread), got {n_draws!r}.")
+
+
 def random_baselines(
     measures: Mapping[str, Callable[[Tensor, Tensor], Tensor]],
     W_V: Float[Tensor, "head d_model d_head"],
@@ -843,8 +961,7 @@ def random_baselines(
     >>> bases["head"].mean.shape
     torch.Size([2])
     """
-    if isinstance(n_draws, bool) or not isinstance(n_draws, int) or n_draws < 2:
-        raise ConnWalkError(f"n_draws must be an integer >= 2 (for a spread), got {n_draws!r}.")
+    check_draws(n_draws)
     if isinstance(seed, torch.Generator):
         generator = seed
     elif isinstance(seed, int):

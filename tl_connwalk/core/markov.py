@@ -22,6 +22,8 @@ from torch import Tensor
 
 from tl_connwalk.core.isometry import (
     _check_chunk,
+    _check_gates,
+    _check_heads,
     _query_chunks,
     check_flag,
     head_gram,
@@ -371,12 +373,18 @@ def pairing_residual(
             f"gates {tuple(gates.shape)} and walk {tuple(walk64.shape)} disagree: need "
             "gates [batch, head, query, key] and walk [batch, query, key]."
         )
-    residual = edge_pairing_residuals(
-        gates, head_gram(W_V, W_O), head_mixed_gram(W_V, W_O), query_chunk=query_chunk
-    )
     present = walk64 > 0
     both = present & rearrange(present, "batch query key -> batch key query")
     off_diagonal = ~torch.eye(walk64.shape[-1], dtype=torch.bool, device=walk64.device)
     applicable = rearrange(both & off_diagonal, "batch query key -> batch (query key)").any(-1)
+    _check_heads(W_V, W_O)
+    _check_gates(gates, W_V.shape[0])
+    _check_chunk(query_chunk)
+    if not bool(applicable.any()):  # causal: nothing to measure, so no Gram work either
+        zeros = torch.zeros(applicable.shape, dtype=working_dtype(walk), device=walk.device)
+        return PairingResidual(zeros, applicable)
+    residual = edge_pairing_residuals(
+        gates, head_gram(W_V, W_O), head_mixed_gram(W_V, W_O), query_chunk=query_chunk
+    )
     mean = walk_weighted_mean(walk, residual, exclude_sink=exclude_sink, edges=both)
     return PairingResidual(torch.where(applicable, mean, torch.zeros_like(mean)), applicable)

@@ -1,0 +1,132 @@
+"""Random-baseline draws shared across layers, and several transport families in one pass.
+
+Reference: `isometry.random_baselines` with the same integer seed, which draws the factors of
+every layer afresh and evaluates each measurement on them (the public per-measure path). The
+shared draws rescale Grams computed once, so they agree to rounding: 1e-10 absolute in
+float64 on defects in [0, 1], 1e-5 in float32.
+"""
+
+import inspect
+
+import pytest
+import torch
+
+from tests.core.problems import random_problem
+from tl_connwalk.core import draws, field_defect
+from tl_connwalk.core import isometry as iso
+from tl_connwalk.errors import ConnWalkError
+from tl_connwalk.walk import ConnectionWalk
+
+ATOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+
+def reference_baselines(p, n_draws, seed, exclude_sink=False):
+    """The baselines measured the slow way: fresh factors, each public measurement on them."""
+    measures = {
+        "head_defects": iso.head_transport_defects,
+        "transport_defect": lambda values, outputs: iso.effective_transport_defect(
+            p.walk, p.gates, values, outputs, exclude_sink=exclude_sink
+        ),
+        "field_defect": lambda values, outputs: field_defect.field_isometry_defect(
+            p.field, p.walk, p.gates, values, outputs, exclude_sink=exclude_sink
+        ),
+    }
+    return iso.random_baselines(measures, p.W_V, p.W_O, n_draws, seed=seed)
+
+
+def residual_of(p, **options):
+    walk = ConnectionWalk.from_pattern(p.pattern, p.field, p.W_V, p.W_O)
+    return walk.laplacian_residual(**options)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("exclude_sink", [False, True])
+@pytest.mark.parametrize("keep_factors", [True, False])
+def test_shared_draws_equal_fresh_draws_per_measurement(
+    dtype, exclude_sink, keep_factors, monkeypatch
+):
+    if not keep_factors:  # too large to keep: the factors are drawn again from the seed
+        monkeypatch.setattr(iso, "CHUNK_ENTRIES", 64)
+    draws.raw_draws.cache_clear()
+    p = random_problem(heads=3, pos=6, d_model=10, d_head=3, seed=4, causal=True, dtype=dtype)
+    res = residual_of(p, baseline_draws=3, seed=11, exclude_sink=exclude_sink)
+    expected = reference_baselines(p, 3, 11, exclude_sink)
+    for name, base in expected.items():
+        torch.testing.assert_close(
+            res.baseline[name].draws, base.draws, atol=ATOL[dtype], rtol=0, msg=name
+        )
+    assert (draws.raw_draws.cache_info().currsize == 1) and (
+        draws.raw_draws.cache_info().misses == 1
+    )
+    assert (draws.raw_draws(p.W_V.shape, p.W_O.shape, dtype, p.W_V.device, 11, 3).kept is None) != (
+        keep_factors
+    )
+
+
+def test_layers_of_one_shape_share_one_set_of_draws():
+    """Two layers with other weights (same shapes): one raw draw set, each its own baseline."""
+    draws.raw_draws.cache_clear()
+    first = random_problem(seed=1)
+    second = random_problem(seed=2)
+    res_first = residual_of(first, baseline_draws=2)
+    res_second = residual_of(second, baseline_draws=2)
+    info = draws.raw_draws.cache_info()
+    assert (info.misses, info.hits) == (1, 1)
+    for p, res in [(first, res_first), (second, res_second)]:
+        base = reference_baselines(p, 2, 0)["transport_defect"]
+        torch.testing.assert_close(
+            res.baseline["transport_defect"].draws, base.draws, atol=1e-10, rtol=0
+        )
+
+
+def test_a_zero_head_draws_a_zero_head():
+    p = random_problem(seed=3)
+    W_O = p.W_O.clone()
+    W_O[1] = 0.0
+    layer = draws.layer_draws(p.W_V, W_O, n_draws=2, seed=0)
+    assert (layer.scales[:, 1] == 0).all() and (layer.head_defects[:, 1] == 0).all()
+    expected = iso.random_baseline(iso.head_transport_defects, p.W_V, W_O, 2, seed=0)
+    torch.testing.assert_close(layer.head_defects, expected.draws, atol=1e-10, rtol=0)
+    for (values, outputs), (values_ref, outputs_ref) in zip(
+        layer.factors(),
+        [iso.random_head_factors(p.W_V, W_O, g) for g in [torch.Generator().manual_seed(0)] * 2],
+        strict=True,
+    ):
+        torch.testing.assert_close(values @ outputs, values_ref @ outputs_ref, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("exclude_sink", [False, True])
+@pytest.mark.parametrize("chunk", [None, 1, 4])
+@pytest.mark.parametrize("listed", [False, True])
+def test_family_means_equal_one_family_at_a_time(exclude_sink, chunk, listed):
+    """gram_defect_means of three families == walk_weighted_mean of each family's edge defects."""
+    p = random_problem(batch=2, heads=3, pos=7, seed=5, causal=True)
+    problems = [p, random_problem(seed=6), random_problem(seed=7)]
+    grams = [iso.gram_matrices(q.W_V, q.W_O) for q in problems]
+    K2 = torch.stack([K2 for K2, _ in grams])
+    pairs = torch.stack([iso.fold_pairs(K4) for _, K4 in grams])
+    edges = iso.heaviest_edges(p.walk, 0.7) if listed else None
+    rank = iso.effective_rank(p.W_V, p.W_O)
+    means = iso.gram_defect_means(
+        p.walk, p.gates, K2, pairs, rank, exclude_sink=exclude_sink, edges=edges, query_chunk=chunk
+    )
+    for family, (K2_f, K4_f) in enumerate(grams):
+        eps = iso.edge_gram_defects(p.gates, K2_f, K4_f, rank, p.walk)
+        expected = iso.walk_weighted_mean(p.walk, eps, exclude_sink=exclude_sink, edges=edges)
+        torch.testing.assert_close(means[family], expected, atol=1e-12, rtol=0)
+
+
+def test_family_shapes_are_checked():
+    p = random_problem()
+    K2, K4 = iso.gram_matrices(p.W_V, p.W_O)
+    with pytest.raises(ConnWalkError, match="same families"):
+        inspect.unwrap(iso.gram_defect_means)(
+            p.walk, p.gates, K2[None], iso.fold_pairs(K4)[None].expand(2, -1, -1), 3
+        )
+
+
+@pytest.mark.parametrize("n_draws", [1, 2.5, True])
+def test_bad_draw_counts_are_refused(n_draws):
+    p = random_problem()
+    with pytest.raises(ConnWalkError, match="n_draws"):
+        inspect.unwrap(draws.layer_draws)(p.W_V, p.W_O, n_draws, seed=0)

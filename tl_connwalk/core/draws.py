@@ -1,0 +1,158 @@
+"""Random-baseline draws shared by every layer of one shape (SPEC 3, "random baseline").
+
+`tl_connwalk.core.isometry.random_head_factors` draws Gaussian factors ``R_V, R_O`` and gives
+head ``h`` of both the factor ``sqrt(s_h)``, ``s_h = ||T^h||_F / ||R^h||_F`` with
+``R^h = R_V^h R_O^h`` (`isometry.draw_scales`): the drawn transport is ``s_h R^h``. With one
+integer seed, every layer whose heads have the same shapes draws the same ``R_V, R_O``; only
+``s`` depends on the layer. So what the Gram defects need of a draw is computed once per shape
+and seed (`raw_draws`, cached), and a layer's draw is a rescaling of it (`layer_draws`)::
+
+    K2'[a,b]        = s_a s_b K2_R[a,b]
+    fold(K4')[p,q]  = s_p s_q fold(K4_R)[p,q],    s_p = s_a s_c for the head pair p = {a, c}
+    delta(s_h R^h)  = delta(R^h)                  (0 where s_h = 0: a zero head stays 0)
+
+These are the values of `isometry.random_baselines` with the same seed, up to rounding; the
+data-dependent field defect still runs on each layer's scaled factors (`LayerDraws.factors`).
+"""
+
+import dataclasses
+import functools
+from collections.abc import Iterator
+
+import torch
+from einops import rearrange
+from jaxtyping import Float
+from torch import Tensor
+
+from tl_connwalk.core import isometry
+from tl_connwalk.errors import ConnWalkError
+
+
+@dataclasses.dataclass(frozen=True)
+class RawDraw:
+    """What the Gram defects need of one raw draw ``R_V, R_O`` (unit Gaussian factors)."""
+
+    norms_sq: Float[Tensor, " head"]  # ||R^h||_F^2
+    K2: Float[Tensor, "head head"]
+    pair_gram: Float[Tensor, "pair pair"]  # isometry.fold_pairs(K4)
+    head_defects: Float[Tensor, " head"]  # delta(R^h), r = d_head
+
+
+@dataclasses.dataclass(frozen=True)
+class RawDraws:
+    """The ``n_draws`` raw draws of one seed for heads of one shape, dtype and device.
+
+    ``kept`` holds the factors themselves when all of them fit ``isometry.CHUNK_ENTRIES``
+    numbers (GPT-2 small: 8 draws are 9.4M); otherwise `factors` draws them again from the
+    seed (the same numbers) instead of holding them.
+    """
+
+    v_shape: torch.Size
+    o_shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    seed: int
+    draws: tuple[RawDraw, ...]
+    kept: tuple[tuple[Tensor, Tensor], ...] | None
+
+    def factors(self) -> Iterator[tuple[Tensor, Tensor]]:
+        """``(R_V, R_O)`` of every draw, in order."""
+        if self.kept is not None:
+            yield from self.kept
+            return
+        generator = torch.Generator(device=self.device).manual_seed(self.seed)
+        for _ in self.draws:
+            yield isometry.gaussian_factors(
+                self.v_shape, self.o_shape, self.dtype, self.device, generator
+            )
+
+
+@functools.lru_cache(maxsize=2)
+def raw_draws(
+    v_shape: torch.Size,
+    o_shape: torch.Size,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    n_draws: int,
+) -> RawDraws:
+    """The raw draws of `isometry.random_baselines` (integer ``seed``), with their Grams.
+
+    Cached for the last two shapes: a model's layers share them. Costs, once,
+    ``n_draws`` times one layer's `isometry.gram_matrices` and head defects.
+    """
+    generator = torch.Generator(device=device).manual_seed(seed)
+    keep = n_draws * (v_shape.numel() + o_shape.numel()) <= isometry.CHUNK_ENTRIES
+    draws, kept = [], []
+    for _ in range(n_draws):
+        R_V, R_O = isometry.gaussian_factors(v_shape, o_shape, dtype, device, generator)
+        K2, K4 = isometry.gram_matrices(R_V, R_O)
+        draws.append(
+            RawDraw(
+                norms_sq=isometry.head_norms_sq(R_V, R_O),
+                K2=K2,
+                pair_gram=isometry.fold_pairs(K4),
+                head_defects=isometry.head_transport_defects(R_V, R_O),
+            )
+        )
+        if keep:
+            kept.append((R_V, R_O))
+    return RawDraws(
+        v_shape, o_shape, dtype, device, seed, tuple(draws), tuple(kept) if keep else None
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerDraws:
+    """The random draws of one layer: the shared raw draws scaled to its head norms.
+
+    ``scales[d, h]`` is ``s_h`` of draw ``d``; ``K2``, ``pair_gram`` and ``head_defects`` are the
+    draws' (``[draw, ...]``), ready for `isometry.gram_defect_means` beside the layer's own.
+    """
+
+    raw: RawDraws
+    scales: Float[Tensor, "draw head"]
+    K2: Float[Tensor, "draw head head"]
+    pair_gram: Float[Tensor, "draw pair pair"]
+    head_defects: Float[Tensor, "draw head"]
+
+    def factors(self) -> Iterator[tuple[Tensor, Tensor]]:
+        """Each draw's ``(W_V', W_O')``, as `isometry.random_head_factors` returns them."""
+        for (R_V, R_O), scale in zip(self.raw.factors(), self.scales, strict=True):
+            factor = scale.sqrt()[:, None, None]
+            yield R_V * factor, R_O * factor
+
+
+def layer_draws(
+    W_V: Float[Tensor, "head d_model d_head"],
+    W_O: Float[Tensor, "head d_head d_model"],
+    n_draws: int,
+    seed: int,
+) -> LayerDraws:
+    """The ``n_draws`` random draws of `isometry.random_baselines` (integer ``seed``) for a layer.
+
+    >>> draws = layer_draws(torch.randn(2, 16, 4), torch.randn(2, 4, 16), n_draws=3, seed=0)
+    >>> draws.K2.shape, draws.pair_gram.shape, draws.head_defects.shape
+    (torch.Size([3, 2, 2]), torch.Size([3, 3, 3]), torch.Size([3, 2]))
+    """
+    isometry.check_draws(n_draws)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConnWalkError(f"seed must be an integer, got {seed!r}.")
+    W_V, W_O = isometry._cast_heads(W_V, W_O)
+    raw = raw_draws(W_V.shape, W_O.shape, W_V.dtype, W_V.device, seed, n_draws)
+    target = isometry.head_norms_sq(W_V, W_O)
+    scales = torch.stack([isometry.draw_scales(target, draw.norms_sq) for draw in raw.draws])
+    first, second = isometry.head_pairs(W_V.shape[0], W_V.device)
+    pair_scales = scales[:, first] * scales[:, second]
+    K2 = torch.stack([draw.K2 for draw in raw.draws])
+    pair_gram = torch.stack([draw.pair_gram for draw in raw.draws])
+    head_defects = torch.stack([draw.head_defects for draw in raw.draws])
+    return LayerDraws(
+        raw=raw,
+        scales=scales,
+        K2=K2 * rearrange(scales, "d a -> d a 1") * rearrange(scales, "d b -> d 1 b"),
+        pair_gram=pair_gram
+        * rearrange(pair_scales, "d p -> d p 1")
+        * rearrange(pair_scales, "d q -> d 1 q"),
+        head_defects=torch.where(scales > 0, head_defects, torch.zeros_like(head_defects)),
+    )
