@@ -30,6 +30,8 @@ from tl_connwalk.errors import ConnWalkError
 
 #: Working-memory budget (entries) of the chunked contractions below.
 CHUNK_ENTRIES = 2**24
+#: Edges per block of the per-edge Gram work: its temporaries stay in the CPU's cache.
+EDGE_BLOCK = 4096
 
 
 def working_dtype(*tensors: Tensor) -> torch.dtype:
@@ -394,31 +396,53 @@ def fold_pairs(K4: Float[Tensor, "head head head head"]) -> Float[Tensor, "pair 
     return fold.T @ rearrange(K4, "a b c e -> (a c) (b e)") @ fold
 
 
-def _family_gram_defects(
-    g: Tensor, K2: Tensor, pair_gram: Tensor, rank: int
-) -> tuple[Tensor, Tensor]:
-    """``eps`` and ``sum sigma^2`` of the edges with gates ``g`` ``[..., head]``, per family.
+def _family_rows(K2: Tensor, pair_gram: Tensor) -> tuple[Tensor, Tensor]:
+    """``K2`` ``[family, H, H]`` and ``pair_gram`` ``[family, P, P]`` stacked as row blocks.
 
-    ``K2`` ``[family, head, head]`` and ``pair_gram`` ``[family, pair, pair]`` (`fold_pairs`)
-    describe several transport families on the same gates (a layer and its random draws):
-    one pass over the gates, one matrix product per Gram for all families. ``[..., family]``.
+    ``[(family a), b]`` and ``[(family p), q]``, the pairs zero-padded to a multiple of 16 (a
+    matrix product with such a width runs about 1.3x faster on CPU; the padding adds 0).
     """
-    families, n_heads = K2.shape[:2]
+    families, n_pairs = pair_gram.shape[0], pair_gram.shape[-1]
+    padded = -(-n_pairs // 16) * 16
+    pair_rows = pair_gram.new_zeros(families, padded, padded)
+    pair_rows[:, :n_pairs, :n_pairs] = pair_gram
+    return rearrange(K2, "family a b -> (family a) b"), rearrange(
+        pair_rows, "family p q -> (family p) q"
+    )
+
+
+def _family_gram_defects(g: Tensor, K2_rows: Tensor, pair_rows: Tensor, rank: int) -> Tensor:
+    """``eps`` of the edges with gates ``g`` ``[head, edge]``, per family: ``[family, edge]``.
+
+    The families (`_family_rows`: a layer and its random draws, say) share the gates, so each
+    block of ``EDGE_BLOCK`` edges is read once and multiplied by every family's Grams at once::
+
+        sum sigma^2 = H^2 g^T K2[f] g,    sum sigma^4 = H^4 u^T fold(K4[f]) u,  u_{ac} = g^a g^c
+
+    Blocks keep the temporaries in cache: the work is bound by memory traffic, not flops.
+    """
+    n_heads, n_edges = g.shape
+    families = K2_rows.shape[0] // n_heads
+    padded = pair_rows.shape[1]
     first, second = head_pairs(n_heads, g.device)
-    mixed = g @ rearrange(K2, "family a b -> a (family b)")
-    mixed = rearrange(mixed, "... (family b) -> ... family b", family=families)
-    sigma2 = n_heads**2 * einsum(mixed, g, "... family b, ... b -> ... family")
-    outer = g[..., first] * g[..., second]
-    mixed = outer @ rearrange(pair_gram, "family p q -> p (family q)")
-    mixed = rearrange(mixed, "... (family q) -> ... family q", family=families)
-    sigma4 = n_heads**4 * einsum(mixed, outer, "... family q, ... q -> ... family")
-    return _ratio_defect(rank * sigma4 - sigma2**2, rank * sigma4), sigma2
+    out = g.new_empty(families, n_edges)
+    pairs = g.new_zeros(padded, min(EDGE_BLOCK, n_edges))  # the padding rows stay 0
+    for start in range(0, n_edges, EDGE_BLOCK):
+        block = g[:, start : start + EDGE_BLOCK]
+        size = block.shape[1]
+        mixed = rearrange(K2_rows @ block, "(family a) edge -> family a edge", a=n_heads)
+        sigma2 = n_heads**2 * (mixed * block).sum(1)
+        u = pairs[:, :size]
+        torch.mul(block[first], block[second], out=u[: first.numel()])
+        mixed = rearrange(pair_rows @ u, "(family p) edge -> family p edge", p=padded)
+        sigma4 = n_heads**4 * (mixed * u).sum(1)
+        out[:, start : start + size] = _ratio_defect(rank * sigma4 - sigma2**2, rank * sigma4)
+    return out
 
 
-def _family_entries(n_heads: int, families: int) -> int:
-    """Numbers per edge held by `_family_gram_defects` (gates, pair products, images)."""
-    n_pairs = n_heads * (n_heads + 1) // 2
-    return 2 * (n_heads + n_pairs) * (families + 1)
+def _heads_by_edge(gates: Tensor) -> Tensor:
+    """A chunk of gates ``[batch, head, query, key]`` as one ``[head, edge]`` block."""
+    return rearrange(gates, "batch head query key -> head (batch query key)").contiguous()
 
 
 def heaviest_edges(
@@ -533,20 +557,22 @@ def edge_gram_defects(
     _check_rank(rank)
     _check_chunk(query_chunk)
     gates, K2, K4 = _cast_gates(gates, K2, K4)
+    families = _family_rows(K2[None], fold_pairs(K4)[None])
     if edges is not None:
         _check_edges(edges, gates)
         b, i, j = edges.to(gates.device).nonzero(as_tuple=True)
         eps = torch.zeros(edges.shape, dtype=gates.dtype, device=gates.device)
-        listed = _listed_family_defects(gates[b, :, i, j], K2[None], fold_pairs(K4)[None], rank)
-        eps[b, i, j] = listed[:, 0]
+        listed = gates[b, :, i, j].T.contiguous()  # [head, edge]
+        eps[b, i, j] = _family_gram_defects(listed, *families, rank)[0]
         return _zero_off_walk(eps, walk)
     batch, n_heads, n_query, n_key = gates.shape
-    pair_gram = fold_pairs(K4)[None]
     eps = gates.new_zeros(batch, n_query, n_key)  # filled chunk by chunk (see `_query_chunks`)
-    per_query = batch * n_key * _family_entries(n_heads, 1)
+    per_query = batch * n_key * (n_heads + 1)
     for rows, keys in _edge_chunks(n_query, n_key, per_query, query_chunk, walk):
-        g = rearrange(gates[:, :, rows, :keys], "batch head query key -> batch query key head")
-        eps[:, rows, :keys] = _family_gram_defects(g, K2[None], pair_gram, rank)[0][..., 0]
+        if keys == 0:  # no edge in these rows
+            continue
+        chunk = _family_gram_defects(_heads_by_edge(gates[:, :, rows, :keys]), *families, rank)
+        eps[:, rows, :keys] = chunk.view(batch, -1, keys)
     return _zero_off_walk(eps, walk)
 
 
@@ -556,18 +582,6 @@ def _check_edges(edges: Tensor, gates: Tensor) -> None:
             f"edges {tuple(edges.shape)} must be [batch, query, key] like the gates' "
             f"{tuple(gates.shape[:1] + gates.shape[2:])}."
         )
-
-
-def _listed_family_defects(edge_gates: Tensor, K2: Tensor, pair_gram: Tensor, rank: int) -> Tensor:
-    """`_family_gram_defects` of a list of edges (gates ``[edge, head]``), chunked over edges."""
-    n_edges, n_heads = edge_gates.shape
-    step = max(1, CHUNK_ENTRIES // _family_entries(n_heads, K2.shape[0]))
-    out = edge_gates.new_zeros(n_edges, K2.shape[0])  # filled chunk by chunk
-    for start in range(0, n_edges, step):
-        out[start : start + step] = _family_gram_defects(
-            edge_gates[start : start + step], K2, pair_gram, rank
-        )[0]
-    return out
 
 
 def gram_defect_means(
@@ -607,22 +621,25 @@ def gram_defect_means(
     gates, K2, pair_gram = _cast_gates(gates, K2, pair_gram)
     weights, rows_with_mass = _edge_weights(walk, check_flag(exclude_sink, "exclude_sink"), edges)
     weights = weights.to(device=gates.device, dtype=gates.dtype)
+    stacked = _family_rows(K2, pair_gram)
+    families = K2.shape[0]
+    batch, n_heads, n_query, n_key = gates.shape
+    total = gates.new_zeros(families, batch)
     if edges is not None:
         _check_edges(edges, gates)
         b, i, j = (weights > 0).nonzero(as_tuple=True)
-        eps = _listed_family_defects(gates[b, :, i, j], K2, pair_gram, rank)
-        total = gates.new_zeros(K2.shape[0], gates.shape[0])
-        total.index_add_(1, b, (weights[b, i, j, None] * eps).T)
+        eps = _family_gram_defects(gates[b, :, i, j].T.contiguous(), *stacked, rank)
+        total.index_add_(1, b, weights[b, i, j] * eps)
     else:
-        batch, n_heads, n_query, n_key = gates.shape
-        total = gates.new_zeros(K2.shape[0], batch)
-        per_query = batch * n_key * _family_entries(n_heads, K2.shape[0])
+        per_query = batch * n_key * (n_heads + 2 * families)
         for rows, keys in _edge_chunks(n_query, n_key, per_query, query_chunk, walk):
-            g = rearrange(gates[:, :, rows, :keys], "batch head query key -> batch query key head")
-            eps = _family_gram_defects(g, K2, pair_gram, rank)[0]
-            weight = weights[:, rows, :keys]
-            eps = torch.where(weight[..., None] > 0, eps, torch.zeros_like(eps))
-            total += einsum(weight, eps, "batch query key, batch query key family -> family batch")
+            if keys == 0:  # no edge in these rows
+                continue
+            eps = _family_gram_defects(_heads_by_edge(gates[:, :, rows, :keys]), *stacked, rank)
+            eps = rearrange(eps, "family (batch edge) -> family batch edge", batch=batch)
+            weight = rearrange(weights[:, rows, :keys], "batch query key -> batch (query key)")
+            eps = torch.where(weight > 0, eps, torch.zeros_like(eps))
+            total += einsum(weight, eps, "batch edge, family batch edge -> family batch")
     rows_with_mass = rows_with_mass.to(total)
     return torch.where(rows_with_mass > 0, total / rows_with_mass.clamp_min(1.0), 0.0)
 
