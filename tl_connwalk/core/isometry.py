@@ -207,14 +207,21 @@ def head_norms_sq(
 
 
 def _head_factor_grams(W_V: Tensor, W_O: Tensor) -> tuple[Tensor, Tensor]:
-    """``GV = W_V^cat^T W_V^cat`` and ``GO = W_O^cat W_O^cat^T``, both ``[H d_h, H d_h]``.
+    """``GV[a,b] = W_V^a^T W_V^b`` and ``GO[a,b] = W_O^a W_O^b^T``, both ``[H, H, d_h, d_h]``.
 
-    Block ``(a, b)`` of ``GV`` is ``W_V^a^T W_V^b`` and of ``GO`` is ``W_O^a W_O^b^T``. Two
-    matrix products on the concatenated factors (one ``W_V``-sized layout copy each).
+    A row ``a`` at a time, each one matrix product with the concatenated factor (``d_h x
+    d_model`` by ``d_model x H d_h``): one ``W_V``-sized layout copy, no full ``H d_h``-square
+    temporary beside the two results.
     """
+    n_heads, _, d_head = W_V.shape
     values = rearrange(W_V, "head d_model d_head -> d_model (head d_head)")
-    outputs = rearrange(W_O, "head d_head d_model -> (head d_head) d_model")
-    return values.mT @ values, outputs @ outputs.mT
+    outputs = rearrange(W_O, "head d_head d_model -> (head d_head) d_model")  # a view
+    gram_v = W_V.new_empty(n_heads, n_heads, d_head, d_head)
+    gram_o = torch.empty_like(gram_v)
+    for a in range(n_heads):
+        gram_v[a] = rearrange(W_V[a].mT @ values, "p (b q) -> b p q", b=n_heads)
+        gram_o[a] = rearrange(W_O[a] @ outputs.mT, "p (b q) -> b p q", b=n_heads)
+    return gram_v, gram_o
 
 
 def head_gram(
@@ -263,8 +270,8 @@ def gram_matrices(
 ) -> tuple[Float[Tensor, "head head"], Float[Tensor, "head head head head"]]:
     """The head Grams ``K2[a,b] = tr(T^a^T T^b)`` and ``K4[a,b,c,e] = tr(T^b^T T^a T^c^T T^e)``.
 
-    With ``GV[a,b] = W_V^a^T W_V^b`` and ``GO[a,b] = W_O^a W_O^b^T`` (``d_head x d_head``
-    blocks of two ``H d_head``-square Grams, one matrix product each)::
+    With ``GV[a,b] = W_V^a^T W_V^b`` and ``GO[a,b] = W_O^a W_O^b^T`` (``d_head x d_head``,
+    a row of blocks per matrix product)::
 
         K2[a,b]     = tr(GV[a,b] GO[b,a])
         K4[a,b,c,e] = tr(GV[b,a] GO[a,c] GV[c,e] GO[e,b])
@@ -282,10 +289,7 @@ def gram_matrices(
     W_V, W_O = _cast_heads(W_V, W_O)
     n_heads, _, d_head = W_V.shape
     gram_v, gram_o = _head_factor_grams(W_V, W_O)
-    K2 = reduce(gram_v * gram_o, "(a p) (b q) -> a b", "sum", a=n_heads, b=n_heads)  # GO^T = GO
-    blocks = "(a p) (b q) -> a b p q"
-    gram_v = rearrange(gram_v, blocks, a=n_heads, b=n_heads).contiguous()
-    gram_o = rearrange(gram_o, blocks, a=n_heads, b=n_heads).contiguous()
+    K2 = einsum(gram_v, gram_o, "a b p q, a b p q -> a b")  # GO[b,a] = GO[a,b]^T
     K4 = gram_v.new_empty(n_heads, n_heads, n_heads, n_heads)
     step = max(1, CHUNK_ENTRIES // (8 * n_heads * d_head * d_head))
     for b in range(n_heads):
