@@ -276,8 +276,9 @@ def gram_matrices(
         K2[a,b]     = tr(GV[a,b] GO[b,a])
         K4[a,b,c,e] = tr(GV[b,a] GO[a,c] GV[c,e] GO[e,b])
 
-    ``K4`` is built through the ``H^3`` products ``X[b,a,c] = GV[b,a] GO[a,c]`` and
-    ``Y[b,c,e] = GV[c,e] GO[e,b]``, one ``b`` and a block of ``c`` at a time (batched
+    ``K4`` is built through the ``H^3`` products ``X[b,a,c] = GV[b,a] GO[a,c]`` (``a >= b``
+    only, since ``K4[a,b,c,e] = K4[b,a,e,c]``) and ``Y[b,c,e] = GV[c,e] GO[e,b]``, one ``b``
+    and a block of ``c`` at a time (batched
     ``d_head x d_head`` matmuls, blocks of at most ``CHUNK_ENTRIES / 4`` numbers): working
     memory the two Grams (``2 H^2 d_head^2`` numbers) plus one block (never ``H^4 d^2``), time
     ``O(H^3 d_head^3 + H^4 d_head^2)``. ``K4`` itself has ``H^4`` entries (1M for ``H = 32``).
@@ -295,12 +296,14 @@ def gram_matrices(
     for b in range(n_heads):
         for start in range(0, n_heads, step):
             cs = slice(start, start + step)
-            X = gram_v[b][:, None] @ gram_o[:, cs]  # [a, c, p, s] = GV[b,a] GO[a,c]
+            # only a >= b: the rest is K4[a,b,c,e] = K4[b,a,e,c] (<P_ac, P_be> with P = T T^T)
+            X = gram_v[b][b:, None] @ gram_o[b:, cs]  # [a, c, p, s] = GV[b,a] GO[a,c]
             Y_t = gram_o[b][:, None] @ gram_v[:, cs]  # [e, c, p, s] = (GV[c,e] GO[e,b])^T
             X = rearrange(X, "a c p s -> c a (p s)")
             Y_t = rearrange(Y_t, "e c p s -> c (p s) e")
-            K4[:, b, cs, :] = rearrange(X @ Y_t, "c a e -> a c e")
-    return K2, K4
+            K4[b:, b, cs, :] = rearrange(X @ Y_t, "c a e -> a c e")
+    below = torch.ones(n_heads, n_heads, dtype=torch.bool, device=K4.device).triu(1)  # a < b
+    return K2, torch.where(below[:, :, None, None], K4.permute(1, 0, 3, 2), K4)
 
 
 def _check_gates(gates: Tensor, n_heads: int) -> None:
