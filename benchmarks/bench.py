@@ -12,10 +12,14 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 import tl_connwalk
 from tl_connwalk.toy import VOCAB, random_bridge
@@ -207,6 +211,59 @@ def analyze_throughput(
             "forward_tokens_per_s": n_tokens / t_ref, "ratio": ratio}  # fmt: skip
 
 
+#: (positions, sequences per batch, batches, baseline draws) of the data-parallel case
+DP_WORK = (256, 4, 8, 2)
+
+
+def _dp_model_and_tokens() -> tuple[torch.nn.Module, torch.Tensor]:
+    """The same model and tokens in every process (seeded): 4-layer Llama-style Bridge."""
+    n_pos, batch, n_batches, _ = DP_WORK
+    model = random_bridge("llama", n_layers=4, d_model=256, n_heads=8, n_ctx=n_pos)
+    gen = torch.Generator().manual_seed(0)
+    return model, torch.randint(0, VOCAB - 1, (batch * n_batches, n_pos), generator=gen)
+
+
+def _timed_analyze(model: torch.nn.Module, tokens: torch.Tensor) -> float:
+    """Seconds of one ``analyze`` over the tokens, after a one-batch warm-up."""
+    _, batch, _, draws = DP_WORK
+    options = {"batch_size": batch, "baseline_draws": draws, "progress": False}
+    tl_connwalk.analyze(model, tokens, max_batches=1, distributed=False, **options)
+    if dist.is_initialized():
+        dist.barrier()
+    start = time.perf_counter()
+    tl_connwalk.analyze(model, tokens, **options)
+    return time.perf_counter() - start
+
+
+def _dp_worker(rank: int, world: int, init_file: str, out_file: str) -> None:
+    torch.set_num_threads(1)
+    model, tokens = _dp_model_and_tokens()
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        seconds = _timed_analyze(model, tokens)
+        if rank == 0:
+            Path(out_file).write_text(json.dumps(seconds))
+    finally:
+        dist.destroy_process_group()
+
+
+def analyze_data_parallel(world: int = 2) -> dict[str, float]:
+    """``analyze`` in one process vs ``world`` gloo processes (one thread each), same batches.
+
+    Each process warms up on one batch first (which also draws its random baselines); the
+    timed pass is the whole corpus, the ranks' results merged on rank 0 and broadcast.
+    """
+    model, tokens = _dp_model_and_tokens()
+    single = _timed_analyze(model, tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp, "seconds.json"))
+        mp.spawn(_dp_worker, args=(world, str(Path(tmp, "init")), out), nprocs=world)
+        parallel = json.loads(Path(out).read_text())
+    n_pos, batch, n_batches, draws = DP_WORK
+    return {"processes": world, "tokens": batch * n_batches * n_pos, "draws": draws,
+            "single_s": single, "parallel_s": parallel, "speedup": single / parallel}  # fmt: skip
+
+
 def bridge_hook_overhead(n_pos: int, repeats: int) -> dict[str, float]:
     """``hook_overhead`` on a random GPT-2 ``TransformerBridge`` (TransformerLens 3.x and 4.x)."""
     size = dict(n_layers=4, d_model=256, n_heads=8, n_ctx=n_pos)
@@ -258,6 +315,9 @@ def main() -> None:
         return
     if args.case == "analyze":
         print(json.dumps(analyze_throughput()))
+        return
+    if args.case == "analyze_dp":
+        print(json.dumps(analyze_data_parallel()))
         return
     results: dict[str, object] = {"threads": args.threads, "torch": torch.__version__}
     sizes = [256, 1024] if args.quick else [256, 1024, 4096]
