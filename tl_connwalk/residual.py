@@ -220,12 +220,16 @@ def laplacian_residual(
             grams=grams,
         )  # fmt: skip
 
+    field_draws = []
+    for values, outputs in rand.factors():
+        field_draws.append(field(values, outputs))
+        del values, outputs  # before the next draw is made
     grams = field_defect.message_grams(X, W_V, W_O)
     head_defects = isometry.head_transport_defects(W_V, W_O)
     baseline = {
         "head_defects": rand.head_defects,
         "transport_defect": transport[1:],
-        "field_defect": torch.stack([field(*factors) for factors in rand.factors()]),
+        "field_defect": torch.stack(field_draws),
     }
     nearest = None
     if exact:

@@ -97,6 +97,7 @@ def raw_draws(
         )
         if keep:
             kept.append((R_V, R_O))
+        del R_V, R_O  # before the next draw: one draw's factors alive at a time
     return RawDraws(
         v_shape, o_shape, dtype, device, seed, tuple(draws), tuple(kept) if keep else None
     )
@@ -118,9 +119,15 @@ class LayerDraws:
 
     def factors(self) -> Iterator[tuple[Tensor, Tensor]]:
         """Each draw's ``(W_V', W_O')``, as `isometry.random_head_factors` returns them."""
-        for (R_V, R_O), scale in zip(self.raw.factors(), self.scales, strict=True):
+        for raw, scale in zip(self.raw.factors(), self.scales, strict=True):
             factor = scale.sqrt()[:, None, None]
-            yield R_V * factor, R_O * factor
+            if self.raw.kept is None:  # drawn afresh for this call: scaled in place
+                scaled = raw[0].mul_(factor), raw[1].mul_(factor)
+            else:
+                scaled = raw[0] * factor, raw[1] * factor
+            del raw  # one draw's factors alive at a time (2 x 64 MiB for an 8B layer)
+            yield scaled
+            del scaled
 
 
 def layer_draws(

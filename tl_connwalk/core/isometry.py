@@ -215,11 +215,13 @@ def _head_factor_grams(W_V: Tensor, W_O: Tensor) -> tuple[Tensor, Tensor]:
     """
     n_heads, _, d_head = W_V.shape
     values = rearrange(W_V, "head d_model d_head -> d_model (head d_head)")
-    outputs = rearrange(W_O, "head d_head d_model -> (head d_head) d_model")  # a view
     gram_v = W_V.new_empty(n_heads, n_heads, d_head, d_head)
-    gram_o = torch.empty_like(gram_v)
     for a in range(n_heads):
         gram_v[a] = rearrange(W_V[a].mT @ values, "p (b q) -> b p q", b=n_heads)
+    del values  # before GO: the copy and both Grams are never held at once
+    outputs = rearrange(W_O, "head d_head d_model -> (head d_head) d_model")  # a view
+    gram_o = torch.empty_like(gram_v)
+    for a in range(n_heads):
         gram_o[a] = rearrange(W_O[a] @ outputs.mT, "p (b q) -> b p q", b=n_heads)
     return gram_v, gram_o
 
