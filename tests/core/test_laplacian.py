@@ -14,36 +14,28 @@ import pytest
 import torch
 from jaxtyping import TypeCheckError
 
+from tests.core import problems
 from tests.tolerances import assert_close
 from tl_connwalk.core import laplacian as lap
 from tl_connwalk.core.isometry import common_scale
 from tl_connwalk.core.markov import stationary_distribution
-from tl_connwalk.core.walk import gates as split_gates
-from tl_connwalk.core.walk import walk_matrix
 from tl_connwalk.errors import ConnWalkError
 
 F64 = torch.float64
 DENSE_ATOL = 1e-10  # chunked edge sums vs dense block matrices, float64
 ZERO_ATOL = 1e-12  # distance of an operator that already is a scaled connection Laplacian
 # half-sample estimates (32 of 64 edges) over 200 seeds vs the exact distance: median relative
-# error below 10% (measured 5.4%), 90% of them within 20% (13.6%), their mean within 3% (1.3%)
+# error below 10% (measured 3.8%), 90% of them within 20% (8.7%), their mean within 3% (0.5%)
 SAMPLE_MEDIAN_RTOL, SAMPLE_P90_RTOL, SAMPLE_MEAN_RTOL = 0.1, 0.2, 0.03
-# the sampled sums are unbiased: their means over 200 seeds within 4 standard errors (0.8)
-# and 3% (1.7%) of the exact sums
+# the sampled sums are unbiased: their means over 200 seeds within 4 standard errors (0.44
+# and 0.84) and 3% (0.6% and 1.5%) of the exact sums
 SAMPLE_Z = 4.0
 
 
 def random_problem(batch=2, heads=2, pos=4, d_model=4, d_head=3, seed=0, causal=False):
-    """Walk, gates, head weights and a positive mu, float64; generic full-rank transports."""
-    gen = torch.Generator().manual_seed(seed)
-    scores = 2 * torch.randn(batch, heads, pos, pos, generator=gen, dtype=F64)
-    if causal:
-        scores = scores.masked_fill(torch.ones(pos, pos).triu(1).bool(), float("-inf"))
-    pattern = scores.softmax(-1)
-    W_V = torch.randn(heads, d_model, d_head, generator=gen, dtype=F64)
-    W_O = torch.randn(heads, d_head, d_model, generator=gen, dtype=F64)
-    mu = torch.rand(batch, pos, generator=gen, dtype=F64) + 0.1
-    return walk_matrix(pattern), split_gates(pattern), W_V, W_O, mu
+    """Walk, gates, head weights and a positive mu of `tests.core.problems.random_problem`."""
+    p = problems.random_problem(batch, heads, pos, d_model, d_head, seed=seed, causal=causal)
+    return p.walk, p.gates, p.W_V, p.W_O, p.mu
 
 
 def ref_polar(B):
