@@ -6,6 +6,7 @@ frozen and typed, and ``to_dict()`` gives plain floats and lists for JSON.
 """
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Literal
@@ -184,7 +185,8 @@ def laplacian_residual(
             f"baseline_draws must be >= 2 (a spread needs two), got {baseline_draws}."
         )
     W, g = walk.walk, walk.gates
-    (X, _), (W_V, v_factor), (W_O, o_factor) = map(_unit_scaled, (walk.field, walk.W_V, walk.W_O))
+    terms = _layer_terms(walk)
+    X, W_V, W_O = terms.field, terms.W_V, terms.W_O
     reversibility = markov.reversibility_residual(W, mu, alpha=alpha)
     pairing = markov.pairing_residual(
         W, g, W_V, W_O, exclude_sink=exclude_sink, query_chunk=query_chunk
@@ -199,33 +201,28 @@ def laplacian_residual(
         covered = isometry.covered_mass_share(W, selected, exclude_sink=exclude_sink)
         # share 1 keeps every edge: the all-edge path itself, not a gathered copy of it
         kept = None if mass_share >= 1.0 else selected
-    rank = isometry.effective_rank(W_V, W_O)
-    K2, K4 = isometry.gram_matrices(W_V, W_O)
+    K2 = terms.grams[0]
     # the layer and its random draws (shared by every layer of this shape) as one family each
-    rand = draws.layer_draws(W_V, W_O, baseline_draws, seed)
+    rand = terms.layer_draws(baseline_draws, seed)
     transport = isometry.gram_defect_means(
-        W, g, torch.cat([K2[None], rand.K2]),
-        torch.cat([isometry.fold_pairs(K4)[None], rand.pair_gram]), rank,
-        exclude_sink=exclude_sink, edges=kept, query_chunk=query_chunk,
+        W, g, torch.cat([K2[None], rand.K2]), torch.cat([terms.pair_gram[None], rand.pair_gram]),
+        terms.rank, exclude_sink=exclude_sink, edges=kept, query_chunk=query_chunk,
     )  # fmt: skip
     unit_scale = isometry.walk_weighted_mean(
         W,
-        isometry.edge_frobenius_scales(g, K2, rank, W, query_chunk=query_chunk),
+        isometry.edge_frobenius_scales(g, K2, terms.rank, W, query_chunk=query_chunk),
         exclude_sink=exclude_sink,
     )
 
-    def field(values: Tensor, outputs: Tensor, grams: Tensor | None = None) -> Tensor:
+    def field(values: Tensor, outputs: Tensor, grams: Tensor) -> Tensor:
         return field_defect.field_isometry_defect(
             X, W, g, values, outputs, exclude_sink=exclude_sink, query_chunk=query_chunk,
             grams=grams,
         )  # fmt: skip
 
-    field_draws = []
-    for values, outputs in rand.factors():
-        field_draws.append(field(values, outputs))
-        del values, outputs  # before the next draw is made
-    grams = field_defect.message_grams(X, W_V, W_O)
-    head_defects = isometry.head_transport_defects(W_V, W_O)
+    field_draws = [
+        field(W_V, W_O, grams) for grams in terms.draw_message_grams(baseline_draws, seed)
+    ]  # the factors only shape-check here: the message Grams carry the draw
     baseline = {
         "head_defects": rand.head_defects,
         "transport_defect": transport[1:],
@@ -236,7 +233,7 @@ def laplacian_residual(
         nearest = laplacian.nearest_connection_operator_distance(
             W, g, W_V, W_O, reversibility.mu, unit_scale, max_edges=max_edges, seed=seed
         )
-    scale = unit_scale / (v_factor * o_factor)
+    scale = unit_scale / terms.factor
     return LaplacianResidual(
         stochasticity=markov.stochasticity_residual(W),
         reversibility=reversibility.residual,
@@ -246,10 +243,17 @@ def laplacian_residual(
         scale=scale,
         pairing=pairing.residual if bool(pairing.applicable.any()) else None,
         pairing_applicable=pairing.applicable,
-        head_defects=head_defects,
-        field_defect=field(W_V, W_O, grams),
+        head_defects=terms.head_defects,
+        field_defect=field(W_V, W_O, terms.message_grams),
         head_field_defects=field_defect.head_field_isometry_defects(
-            X, W, g, W_V, W_O, exclude_sink=exclude_sink, query_chunk=query_chunk, grams=grams
+            X,
+            W,
+            g,
+            W_V,
+            W_O,
+            exclude_sink=exclude_sink,
+            query_chunk=query_chunk,
+            grams=terms.message_grams,
         ),
         baseline={
             name: RandomBaseline(values.to(isometry.working_dtype(values)))
@@ -274,16 +278,87 @@ def isometry_defects(
     scaled isometry) from each edge's singular values (``O(batch n^2 r^3)``, small problems).
     Both with ``r = min(d_model, H d_head)``.
     """
-    (W_V, _), (W_O, _) = _unit_scaled(walk.W_V), _unit_scaled(walk.W_O)
-    rank = isometry.effective_rank(W_V, W_O)
+    terms = _layer_terms(walk)
     if kind == "gram":
-        K2, K4 = isometry.gram_matrices(W_V, W_O)
-        return isometry.edge_gram_defects(walk.gates, K2, K4, rank, walk.walk)
+        K2, K4 = terms.grams
+        return isometry.edge_gram_defects(walk.gates, K2, K4, terms.rank, walk.walk)
     if kind == "frobenius":
-        sigma = isometry.edge_singular_values(walk.gates, W_V, W_O)
-        delta = isometry.isometry_defect(sigma, rank)
+        sigma = isometry.edge_singular_values(walk.gates, terms.W_V, terms.W_O)
+        delta = isometry.isometry_defect(sigma, terms.rank)
         return torch.where(walk.walk > 0, delta, torch.zeros_like(delta))
     raise ConnWalkError(f'kind must be "gram" or "frobenius", got {kind!r}.')
+
+
+class _LayerTerms:
+    """What the measurements need of a walk's weights and field alone, each computed on first
+    use and kept with the walk (`_layer_terms`): calls with other options (``exclude_sink``,
+    ``mass_share``, ``mu``, ``exact``; the report measures every layer with and without the
+    sink) share them.
+
+    ``field``, ``W_V``, ``W_O`` are unit-scaled (`_unit_scaled`; ``factor`` undoes it for the
+    common scale); ``grams`` is ``(K2, K4)``, ``pair_gram`` the folded ``K4``; ``layer_draws``
+    and ``draw_message_grams`` are memoised per ``(n_draws, seed)``.
+    """
+
+    def __init__(self, walk: "ConnectionWalk") -> None:
+        self.versions = _versions(walk)
+        (self.field, _), (self.W_V, v_factor), (self.W_O, o_factor) = map(
+            _unit_scaled, (walk.field, walk.W_V, walk.W_O)
+        )
+        self.factor = v_factor * o_factor
+        self.rank = isometry.effective_rank(self.W_V, self.W_O)
+        self._draws: dict[tuple[int, int], draws.LayerDraws] = {}
+        self._draw_grams: dict[tuple[int, int], list[Tensor]] = {}
+
+    @functools.cached_property
+    def grams(self) -> tuple[Tensor, Tensor]:
+        """``(K2, K4)`` of the layer (`isometry.gram_matrices`)."""
+        return isometry.gram_matrices(self.W_V, self.W_O)
+
+    @functools.cached_property
+    def pair_gram(self) -> Tensor:
+        """``K4`` folded onto head pairs (`isometry.fold_pairs`)."""
+        return isometry.fold_pairs(self.grams[1])
+
+    @functools.cached_property
+    def head_defects(self) -> Tensor:
+        return isometry.head_transport_defects(self.W_V, self.W_O)
+
+    @functools.cached_property
+    def message_grams(self) -> Tensor:
+        return field_defect.message_grams(self.field, self.W_V, self.W_O)
+
+    def layer_draws(self, n_draws: int, seed: int) -> draws.LayerDraws:
+        """`draws.layer_draws` of the (unit-scaled) weights."""
+        key = (n_draws, seed)
+        if key not in self._draws:
+            self._draws[key] = draws.layer_draws(self.W_V, self.W_O, n_draws, seed)
+        return self._draws[key]
+
+    def draw_message_grams(self, n_draws: int, seed: int) -> list[Tensor]:
+        """`field_defect.message_grams` of each draw's factors, one draw alive at a time."""
+        key = (n_draws, seed)
+        if key not in self._draw_grams:
+            grams = []
+            for values, outputs in self.layer_draws(n_draws, seed).factors():
+                grams.append(field_defect.message_grams(self.field, values, outputs))
+                del values, outputs  # before the next draw is made
+            self._draw_grams[key] = grams
+        return self._draw_grams[key]
+
+
+def _versions(walk: "ConnectionWalk") -> tuple[int, ...]:
+    """In-place edits of a walk's field or weights bump these (``Tensor._version``)."""
+    return tuple(t._version for t in (walk.field, walk.W_V, walk.W_O))
+
+
+def _layer_terms(walk: "ConnectionWalk") -> _LayerTerms:
+    """The walk's `_LayerTerms`, made on first use and again after an in-place edit."""
+    terms = walk.__dict__.get("_layer_terms")
+    if not isinstance(terms, _LayerTerms) or terms.versions != _versions(walk):
+        terms = _LayerTerms(walk)
+        object.__setattr__(walk, "_layer_terms", terms)  # a memo on the frozen walk
+    return terms
 
 
 def _unit_scaled(tensor: Tensor) -> tuple[Tensor, float]:

@@ -7,6 +7,7 @@ float64 on defects in [0, 1], 1e-5 in float32.
 """
 
 import inspect
+import json
 
 import pytest
 import torch
@@ -130,3 +131,27 @@ def test_bad_draw_counts_are_refused(n_draws):
     p = random_problem()
     with pytest.raises(ConnWalkError, match="n_draws"):
         inspect.unwrap(draws.layer_draws)(p.W_V, p.W_O, n_draws, seed=0)
+
+
+def test_a_walk_measures_its_weights_once_and_again_after_an_edit(monkeypatch):
+    """Both sink settings share the layer's Grams; an in-place edit of W_V renews them."""
+    p = random_problem(seed=8, causal=True)
+    walk = ConnectionWalk.from_pattern(p.pattern, p.field, p.W_V.clone(), p.W_O)
+    draws.layer_draws(p.W_V, p.W_O, 2, 0)  # the shared raw draws, drawn before counting
+    calls = []
+    gram_matrices = iso.gram_matrices
+    monkeypatch.setattr(iso, "gram_matrices", lambda *a: calls.append(1) or gram_matrices(*a))
+    with_sink = walk.laplacian_residual(baseline_draws=2)
+    without_sink = walk.laplacian_residual(baseline_draws=2, exclude_sink=True)
+    assert len(calls) == 1
+    fresh = ConnectionWalk.from_pattern(p.pattern, p.field, p.W_V, p.W_O)
+    for res, exclude_sink in [(with_sink, False), (without_sink, True)]:
+        expected = fresh.laplacian_residual(baseline_draws=2, exclude_sink=exclude_sink)
+        assert json.dumps(res.to_dict()) == json.dumps(expected.to_dict())
+    walk.W_V.mul_(2.0).add_(1.0)  # no longer the model's weights: measured again
+    edited = walk.laplacian_residual(baseline_draws=2)
+    assert len(calls) == 3  # the edited walk and the fresh one above
+    changed = ConnectionWalk.from_pattern(p.pattern, p.field, 2 * p.W_V + 1, p.W_O)
+    torch.testing.assert_close(
+        edited.transport_defect, changed.laplacian_residual(baseline_draws=2).transport_defect
+    )
