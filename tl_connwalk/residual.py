@@ -174,7 +174,9 @@ def laplacian_residual(
     layer rescaling them to its head norms; ``O(batch n^2 H^4 / 4)`` per-edge work for the
     layer and each draw in one pass over the gates; the field defect's messages
     ``O(batch n H d_head d_model)`` for the layer and each draw. Memory stays at the size of
-    the pattern plus the ``H^2 d_head^2`` Grams and one chunk.
+    the pattern plus the ``H^2 d_head^2`` Grams and one chunk. What depends on the weights and
+    the field alone (Grams, head defects, draws, message Grams) is kept with the walk, so
+    another call on it with other options (e.g. ``exclude_sink``) costs only the rest.
 
     >>> res = walk.laplacian_residual()
     >>> res.transport_defect.shape, res.baseline["transport_defect"].mean.shape
