@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import tl_connwalk
+from tl_connwalk.core import draws, head_grams
 from tl_connwalk.toy import VOCAB, random_bridge
 
 
@@ -106,31 +107,39 @@ def all_measurements(n_pos: int, baseline_draws: int) -> dict[str, float]:
     """Every measurement on every layer of a GPT-2-small-shaped random model vs run_with_cache.
 
     12 layers, d_model 768, 12 heads of 64; batch 1. ``laplacian_residual`` per layer with the
-    given number of baseline draws, plus layer drift. Peak memory: growth of the process peak
-    over the cache, against the size of the cached patterns.
+    given number of baseline draws, plus layer drift. Twice: ``cold`` on a first cache with
+    nothing computed before (the random draws and every layer's weight-only head Grams are
+    computed inside the timing), ``warm`` on a cache of other tokens of the same model (what
+    each further prompt or batch costs: the head Grams come from `core.head_grams`' store).
+    Peak memory: growth of the process peak over the caches, against the cached patterns.
     """
     model = random_bridge("gpt2", n_layers=12, d_model=768, n_heads=12, scale=0.02, n_ctx=n_pos)
-    tokens = torch.randint(0, VOCAB - 1, (1, n_pos))
+    tokens = torch.randint(0, VOCAB - 1, (2, 1, n_pos))
     names = tl_connwalk.required_hooks(model)
     with torch.no_grad():
-        times = []
-        cache = None
-        for _ in range(3):  # the first pass warms up; the median of three is reported
-            del cache  # one cache alive at a time, so the peak below is one cache's
+        times, caches = [], {}
+        for rep in range(4):  # a warm-up pass, then the median of three; one cache per tokens
+            caches.pop(rep % 2, None)
             start = time.perf_counter()
-            _, cache = model.run_with_cache(tokens, names_filter=names)
+            _, caches[rep % 2] = model.run_with_cache(tokens[rep % 2], names_filter=names)
             times.append(time.perf_counter() - start)
-        forward = statistics.median(times)
-    patterns = sum(cache[n].numel() * 4 for n in names if n.endswith("hook_pattern"))
+        forward = statistics.median(times[1:])
+    first, second = caches[0], caches[1]
+    patterns = sum(first[n].numel() * 4 for n in names if n.endswith("hook_pattern"))
+    draws.raw_draws.cache_clear()
+    head_grams.cache_clear()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    start = time.perf_counter()
-    for layer in range(12):
-        tl_connwalk.laplacian_residual(cache, layer, baseline_draws=baseline_draws)
-    tl_connwalk.layer_drift(cache)
-    measure = time.perf_counter() - start
+    seconds = {}
+    for name, cache in [("cold", first), ("warm", second)]:
+        start = time.perf_counter()
+        for layer in range(12):
+            tl_connwalk.laplacian_residual(cache, layer, baseline_draws=baseline_draws)
+        tl_connwalk.layer_drift(cache)
+        seconds[name] = time.perf_counter() - start
     peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
-    return {"tokens": n_pos, "baseline_draws": baseline_draws, "measure_s": measure,
-            "run_with_cache_s": forward, "ratio": measure / forward,
+    return {"tokens": n_pos, "baseline_draws": baseline_draws, "cold_s": seconds["cold"],
+            "warm_s": seconds["warm"], "run_with_cache_s": forward,
+            "cold_ratio": seconds["cold"] / forward, "warm_ratio": seconds["warm"] / forward,
             "peak_extra_over_patterns": peak / patterns}  # fmt: skip
 
 
@@ -195,6 +204,7 @@ def analyze_throughput(
     names = tl_connwalk.required_hooks(model)
 
     def ours() -> None:
+        head_grams.cache_clear()  # each repetition computes every layer's head Grams anew
         tl_connwalk.analyze(
             model, tokens, batch_size=batch, baseline_draws=baseline_draws, progress=False
         )

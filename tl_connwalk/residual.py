@@ -15,7 +15,7 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from tl_connwalk.core import draws, field_defect, isometry, laplacian, markov
+from tl_connwalk.core import draws, field_defect, head_grams, isometry, laplacian, markov
 from tl_connwalk.core.isometry import RandomBaseline
 from tl_connwalk.core.laplacian import NearestOperatorDistance
 from tl_connwalk.errors import ConnWalkError
@@ -169,14 +169,16 @@ def laplacian_residual(
         query_chunk: query rows per chunk of the per-edge work (``None``: as many as fit
             ``isometry.CHUNK_ENTRIES`` numbers); the results do not depend on it.
 
-    Cost: ``O(H^3 d_head^3)`` for the layer's Gram tensors; the random draws' Grams are
-    computed once per head shape and seed and shared by every layer (`core.draws`), each
-    layer rescaling them to its head norms; ``O(batch n^2 H^4 / 4)`` per-edge work for the
-    layer and each draw in one pass over the gates; the field defect's messages
-    ``O(batch n H d_head d_model)`` for the layer and each draw. Memory stays at the size of
-    the pattern plus the ``H^2 d_head^2`` Grams and one chunk. What depends on the weights and
-    the field alone (Grams, head defects, draws, message Grams) is kept with the walk, so
-    another call on it with other options (e.g. ``exclude_sink``) costs only the rest.
+    Cost: ``O(H^3 d_head^3)`` for the layer's Gram tensors, once per set of weights (they
+    are kept by content, `tl_connwalk.core.head_grams`: another cache of the same model costs
+    only a SHA-256 digest of ``W_V``, ``W_O``); the random draws' Grams are computed once per
+    head shape and seed and shared by every layer (`core.draws`), each layer rescaling them
+    to its head norms; ``O(batch n^2 H^4 / 4)`` per-edge work for the layer and each draw in
+    one pass over the gates; the field defect's messages ``O(batch n H d_head d_model)`` for
+    the layer and each draw. Memory stays at the size of the pattern plus the ``H^2 d_head^2``
+    Grams and one chunk. What depends on the walk's field (message Grams) and the layer's
+    draws is kept with the walk, so another call on it with other options (e.g.
+    ``exclude_sink``) costs only the rest.
 
     >>> res = walk.laplacian_residual()
     >>> res.transport_defect.shape, res.baseline["transport_defect"].mean.shape
@@ -203,11 +205,12 @@ def laplacian_residual(
         covered = isometry.covered_mass_share(W, selected, exclude_sink=exclude_sink)
         # share 1 keeps every edge: the all-edge path itself, not a gathered copy of it
         kept = None if mass_share >= 1.0 else selected
-    K2 = terms.grams[0]
+    heads = terms.heads
+    K2 = heads.K2
     # the layer and its random draws (shared by every layer of this shape) as one family each
     rand = terms.layer_draws(baseline_draws, seed)
     transport = isometry.gram_defect_means(
-        W, g, torch.cat([K2[None], rand.K2]), torch.cat([terms.pair_gram[None], rand.pair_gram]),
+        W, g, torch.cat([K2[None], rand.K2]), torch.cat([heads.pair_gram[None], rand.pair_gram]),
         terms.rank, exclude_sink=exclude_sink, edges=kept, query_chunk=query_chunk,
     )  # fmt: skip
     unit_scale = isometry.walk_weighted_mean(
@@ -216,19 +219,15 @@ def laplacian_residual(
         exclude_sink=exclude_sink,
     )
 
-    def field(values: Tensor, outputs: Tensor, grams: Tensor) -> Tensor:
-        return field_defect.field_isometry_defect(
-            X, W, g, values, outputs, exclude_sink=exclude_sink, query_chunk=query_chunk,
-            grams=grams,
-        )  # fmt: skip
-
-    field_draws = [
-        field(W_V, W_O, grams) for grams in terms.draw_message_grams(baseline_draws, seed)
-    ]  # the factors only shape-check here: the message Grams carry the draw
+    # the layer and its draws again as one family each, now by their message Grams
+    message_grams = [terms.message_grams, *terms.draw_message_grams(baseline_draws, seed)]
+    fields = field_defect.field_isometry_defects(
+        X, W, g, torch.stack(message_grams), exclude_sink=exclude_sink, query_chunk=query_chunk
+    )
     baseline = {
         "head_defects": rand.head_defects,
         "transport_defect": transport[1:],
-        "field_defect": torch.stack(field_draws),
+        "field_defect": fields[1:],
     }
     nearest = None
     if exact:
@@ -245,8 +244,8 @@ def laplacian_residual(
         scale=scale,
         pairing=pairing.residual if bool(pairing.applicable.any()) else None,
         pairing_applicable=pairing.applicable,
-        head_defects=terms.head_defects,
-        field_defect=field(W_V, W_O, terms.message_grams),
+        head_defects=heads.head_defects,
+        field_defect=fields[0],
         head_field_defects=field_defect.head_field_isometry_defects(
             X,
             W,
@@ -298,8 +297,9 @@ class _LayerTerms:
     sink) share them.
 
     ``field``, ``W_V``, ``W_O`` are unit-scaled (`_unit_scaled`; ``factor`` undoes it for the
-    common scale); ``grams`` is ``(K2, K4)``, ``pair_gram`` the folded ``K4``; ``layer_draws``
-    and ``draw_message_grams`` are memoised per ``(n_draws, seed)``.
+    common scale); ``heads`` are their `head_grams.HeadGrams` (from the store shared by every
+    walk, `head_grams.head_grams`), ``grams`` is ``(K2, K4)`` for the per-edge defects;
+    ``layer_draws`` and ``draw_message_grams`` are memoised per ``(n_draws, seed)``.
     """
 
     def __init__(self, walk: "ConnectionWalk") -> None:
@@ -313,18 +313,14 @@ class _LayerTerms:
         self._draw_grams: dict[tuple[int, int], list[Tensor]] = {}
 
     @functools.cached_property
+    def heads(self) -> head_grams.HeadGrams:
+        """``K2``, folded ``K4``, head norms and defects: computed once per set of weights."""
+        return head_grams.head_grams(self.W_V, self.W_O)
+
+    @functools.cached_property
     def grams(self) -> tuple[Tensor, Tensor]:
-        """``(K2, K4)`` of the layer (`isometry.gram_matrices`)."""
+        """``(K2, K4)`` of the layer (`isometry.gram_matrices`), for `isometry_defects`."""
         return isometry.gram_matrices(self.W_V, self.W_O)
-
-    @functools.cached_property
-    def pair_gram(self) -> Tensor:
-        """``K4`` folded onto head pairs (`isometry.fold_pairs`)."""
-        return isometry.fold_pairs(self.grams[1])
-
-    @functools.cached_property
-    def head_defects(self) -> Tensor:
-        return isometry.head_transport_defects(self.W_V, self.W_O)
 
     @functools.cached_property
     def message_grams(self) -> Tensor:
@@ -334,7 +330,9 @@ class _LayerTerms:
         """`draws.layer_draws` of the (unit-scaled) weights."""
         key = (n_draws, seed)
         if key not in self._draws:
-            self._draws[key] = draws.layer_draws(self.W_V, self.W_O, n_draws, seed)
+            self._draws[key] = draws.layer_draws(
+                self.W_V, self.W_O, n_draws, seed, norms_sq=self.heads.norms_sq
+            )
         return self._draws[key]
 
     def draw_message_grams(self, n_draws: int, seed: int) -> list[Tensor]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.core.problems import random_problem
-from tl_connwalk.core import draws, field_defect
+from tl_connwalk.core import draws, field_defect, head_grams
 from tl_connwalk.core import isometry as iso
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.walk import ConnectionWalk
@@ -134,10 +134,12 @@ def test_bad_draw_counts_are_refused(n_draws):
 
 
 def test_a_walk_measures_its_weights_once_and_again_after_an_edit(monkeypatch):
-    """Both sink settings share the layer's Grams; an in-place edit of W_V renews them."""
+    """Both sink settings and another walk of the same weights share the layer's Grams; an
+    in-place edit of W_V renews them."""
     p = random_problem(seed=8, causal=True)
     walk = ConnectionWalk.from_pattern(p.pattern, p.field, p.W_V.clone(), p.W_O)
     draws.layer_draws(p.W_V, p.W_O, 2, 0)  # the shared raw draws, drawn before counting
+    head_grams.cache_clear()
     calls = []
     gram_matrices = iso.gram_matrices
     monkeypatch.setattr(iso, "gram_matrices", lambda *a: calls.append(1) or gram_matrices(*a))
@@ -148,9 +150,10 @@ def test_a_walk_measures_its_weights_once_and_again_after_an_edit(monkeypatch):
     for res, exclude_sink in [(with_sink, False), (without_sink, True)]:
         expected = fresh.laplacian_residual(baseline_draws=2, exclude_sink=exclude_sink)
         assert json.dumps(res.to_dict()) == json.dumps(expected.to_dict())
+    assert len(calls) == 1  # the fresh walk's weights are equal: found in the store
     walk.W_V.mul_(2.0).add_(1.0)  # no longer the model's weights: measured again
     edited = walk.laplacian_residual(baseline_draws=2)
-    assert len(calls) == 3  # the edited walk and the fresh one above
+    assert len(calls) == 2
     changed = ConnectionWalk.from_pattern(p.pattern, p.field, 2 * p.W_V + 1, p.W_O)
     torch.testing.assert_close(
         edited.transport_defect, changed.laplacian_residual(baseline_draws=2).transport_defect

@@ -149,3 +149,39 @@ def test_invariant_under_scaling_and_output_rotation(
     ):
         for got, expected in zip(variant, base, strict=True):
             torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("exclude_sink", [False, True])
+@pytest.mark.parametrize("query_chunk", [None, 1, 2, 5])
+def test_families_in_one_pass_equal_each_family_alone(exclude_sink, query_chunk):
+    """Layer-like families (other weights, one walk) in one pass, vs the dense reference each;
+    one key without field (no message: left out) and one padded query row (no mass)."""
+    pattern, field, W_V, W_O = random_problem(heads=3, causal=True, seed=12)
+    field = field.clone()
+    field[1, 2] = 0.0
+    pattern = pattern.clone()
+    pattern[0, :, 3] = 0.0  # a masked query row of sequence 0
+    walk, g = walk_matrix(pattern), split_gates(pattern)
+    weights = [(W_V, W_O), (2 * W_V.flip(0), W_O), (W_V, -W_O.roll(1, dims=2))]
+    grams = torch.stack([fd.message_grams(field, v, o) for v, o in weights])
+    together = fd.field_isometry_defects(
+        field, walk, g, grams, exclude_sink=exclude_sink, query_chunk=query_chunk
+    )
+    kept = walk.clone()
+    kept[:, :, 0] = 0 if exclude_sink else kept[:, :, 0]
+    kept = torch.where(field.norm(dim=-1)[:, None, :] > 0, kept, 0)  # keys that send nothing
+    kept = torch.where(kept.sum(-1, keepdim=True) > 0, kept / kept.sum(-1, keepdim=True), 0)
+    for family, (v, o) in enumerate(weights):
+        rho = torch.nan_to_num(reference_ratios(field, g, v, o))
+        assert_close(together[family], reference_cv(kept, rho))
+        alone = fd.field_isometry_defect(field, walk, g, v, o, exclude_sink=exclude_sink)
+        assert_close(together[family], alone)
+
+
+def test_families_need_grams_over_the_fields_keys():
+    pattern, field, W_V, W_O = random_problem(heads=2)
+    grams = fd.message_grams(field, W_V, W_O)
+    with pytest.raises(ConnWalkError, match=r"\[family, batch, key, head, head\]"):
+        inspect.unwrap(fd.field_isometry_defects)(
+            field, walk_matrix(pattern), split_gates(pattern), grams
+        )

@@ -47,3 +47,23 @@ def test_nan_cells_stay_nan_and_others_are_unaffected():
     merged = a.merge(b)
     assert merged.mean[0].item() == 2.0 and torch.isnan(merged.mean[1])
     assert merged.std[0].item() == np.sqrt(2.0) and torch.isnan(merged.std[1])
+
+
+def test_per_cell_counts_merge_to_the_weighted_moments_and_empty_cells_stay_empty():
+    rng = np.random.default_rng(3)
+    values = rng.normal(size=(2, 3, 10))
+    weights = rng.uniform(size=(2, 3, 10))
+    weights[1, 2] = 0.0  # a cell without weight in every chunk
+    weights[0, 1, :5] = 0.0  # a cell without weight in the first chunk only
+    chunks = [
+        Moments.of_weighted(torch.tensor(values[..., s]), torch.tensor(weights[..., s]))
+        for s in (slice(0, 5), slice(5, 10))
+    ]
+    empty = torch.zeros(2, 3, dtype=torch.float64)
+    merged = Moments(count=0.0, mean=empty, m2=empty).merge(chunks[0]).merge(chunks[1])
+    full = weights.sum(-1) > 0
+    mean = np.where(full, (weights * values).sum(-1) / np.where(full, weights.sum(-1), 1), 0)
+    var = (weights * (values - mean[..., None]) ** 2).sum(-1) / np.where(full, weights.sum(-1), 1)
+    np.testing.assert_allclose(merged.mean.numpy(), mean, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(merged.std.numpy(), np.sqrt(var), rtol=1e-10, atol=1e-12)
+    assert merged.mean[1, 2] == 0 and merged.std[1, 2] == 0

@@ -25,17 +25,8 @@ from jaxtyping import Float
 from torch import Tensor
 
 from tl_connwalk.core import isometry
+from tl_connwalk.core.head_grams import HeadGrams, compute_head_grams
 from tl_connwalk.errors import ConnWalkError
-
-
-@dataclasses.dataclass(frozen=True)
-class RawDraw:
-    """What the Gram defects need of one raw draw ``R_V, R_O`` (unit Gaussian factors)."""
-
-    norms_sq: Float[Tensor, " head"]  # ||R^h||_F^2
-    K2: Float[Tensor, "head head"]
-    pair_gram: Float[Tensor, "pair pair"]  # isometry.fold_pairs(K4)
-    head_defects: Float[Tensor, " head"]  # delta(R^h), r = d_head
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +43,7 @@ class RawDraws:
     dtype: torch.dtype
     device: torch.device
     seed: int
-    draws: tuple[RawDraw, ...]
+    draws: tuple[HeadGrams, ...]
     kept: tuple[tuple[Tensor, Tensor], ...] | None
 
     def factors(self) -> Iterator[tuple[Tensor, Tensor]]:
@@ -86,15 +77,7 @@ def raw_draws(
     draws, kept = [], []
     for _ in range(n_draws):
         R_V, R_O = isometry.gaussian_factors(v_shape, o_shape, dtype, device, generator)
-        K2, K4 = isometry.gram_matrices(R_V, R_O)
-        draws.append(
-            RawDraw(
-                norms_sq=isometry.head_norms_sq(R_V, R_O),
-                K2=K2,
-                pair_gram=isometry.fold_pairs(K4),
-                head_defects=isometry.head_transport_defects(R_V, R_O),
-            )
-        )
+        draws.append(compute_head_grams(R_V, R_O))  # not stored: this cache holds them
         if keep:
             kept.append((R_V, R_O))
         del R_V, R_O  # before the next draw: one draw's factors alive at a time
@@ -135,8 +118,13 @@ def layer_draws(
     W_O: Float[Tensor, "head d_head d_model"],
     n_draws: int,
     seed: int,
+    *,
+    norms_sq: Float[Tensor, " head"] | None = None,
 ) -> LayerDraws:
     """The ``n_draws`` random draws of `isometry.random_baselines` (integer ``seed``) for a layer.
+
+    ``norms_sq``: the layer's ``||T^h||_F^2`` when already known (e.g. from its
+    `tl_connwalk.core.head_grams.HeadGrams`); else computed here.
 
     >>> draws = layer_draws(torch.randn(2, 16, 4), torch.randn(2, 4, 16), n_draws=3, seed=0)
     >>> draws.K2.shape, draws.pair_gram.shape, draws.head_defects.shape
@@ -147,7 +135,7 @@ def layer_draws(
         raise ConnWalkError(f"seed must be an integer, got {seed!r}.")
     W_V, W_O = isometry._cast_heads(W_V, W_O)
     raw = raw_draws(W_V.shape, W_O.shape, W_V.dtype, W_V.device, seed, n_draws)
-    target = isometry.head_norms_sq(W_V, W_O)
+    target = isometry.head_norms_sq(W_V, W_O) if norms_sq is None else norms_sq.to(W_V)
     scales = torch.stack([isometry.draw_scales(target, draw.norms_sq) for draw in raw.draws])
     first, second = isometry.head_pairs(W_V.shape[0], W_V.device)
     pair_scales = scales[:, first] * scales[:, second]

@@ -28,10 +28,11 @@ from torch import Tensor
 class Moments:
     """``count`` (total weight), ``mean`` and ``M2`` of weighted observations, per cell.
 
-    ``mean`` and ``m2`` share one shape ``[*cell]``; every cell has the same ``count``.
+    ``mean`` and ``m2`` share one shape ``[*cell]``; ``count`` is one number for every cell,
+    or a tensor of counts per cell (`of_weighted`; a cell without weight has count 0).
     """
 
-    count: float
+    count: float | Float[Tensor, "*cell"]
     mean: Float[Tensor, "*cell"]
     m2: Float[Tensor, "*cell"]
 
@@ -41,15 +42,41 @@ class Moments:
         mean = values.to(torch.float64)
         return cls(count=float(weight), mean=mean, m2=torch.zeros_like(mean))
 
+    @classmethod
+    def of_weighted(
+        cls, values: Float[Tensor, "*cell obs"], weights: Float[Tensor, "*#cell obs"]
+    ) -> "Moments":
+        """The observations along the last axis with weights ``>= 0`` (broadcast), counts per cell.
+
+        Values of weight 0 must be finite (they are multiplied by 0). A cell without weight
+        has count, mean and ``M2`` 0, and merging it changes nothing. Keeps the inputs' dtype.
+
+        >>> Moments.of_weighted(torch.tensor([[1.0, 3.0]]), torch.tensor([[1.0, 1.0]])).m2
+        tensor([2.])
+        """
+        weights = weights.expand_as(values)
+        count = weights.sum(-1)
+        mean = (weights * values).sum(-1) / torch.where(count > 0, count, 1.0)
+        m2 = (weights * (values - mean[..., None]) ** 2).sum(-1)
+        return cls(count=count, mean=mean, m2=m2)
+
     def merge(self, other: "Moments") -> "Moments":
         """The summary of both summaries' data (Chan's parallel update, see the module)."""
         count = self.count + other.count
+        share: float | Tensor
+        if isinstance(count, Tensor):  # per-cell counts: a cell empty on both sides stays so
+            share = torch.where(count > 0, other.count / torch.where(count > 0, count, 1.0), 0.0)
+        else:
+            share = other.count / count
         delta = other.mean - self.mean
-        mean = self.mean + delta * (other.count / count)
-        m2 = self.m2 + other.m2 + delta**2 * (self.count * other.count / count)
+        mean = self.mean + delta * share
+        m2 = self.m2 + other.m2 + delta**2 * (self.count * share)
         return Moments(count=count, mean=mean, m2=m2)
 
     @property
     def std(self) -> Float[Tensor, "*cell"]:
-        """``sqrt(M2 / count)``, the weighted population standard deviation."""
-        return (self.m2 / self.count).clamp_min(0.0).sqrt()
+        """``sqrt(M2 / count)``, the weighted population standard deviation (0 without weight)."""
+        count = self.count
+        if isinstance(count, Tensor):
+            count = torch.where(count > 0, count, 1.0)  # an empty cell has M2 = 0
+        return (self.m2 / count).clamp_min(0.0).sqrt()
