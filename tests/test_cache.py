@@ -9,7 +9,7 @@ from torch import nn
 from transformer_lens import ActivationCache
 
 import tl_connwalk
-from tests.architectures import attention_output, build, tokens
+from tests.architectures import attention_output, bridge_tokens, build, tokens
 from tests.tolerances import assert_close
 from tl_connwalk.toy import random_bridge
 
@@ -30,6 +30,37 @@ def test_required_hooks_are_enough(arch):
             tl_connwalk.connection_walk(cache, layer).apply(),
             tl_connwalk.connection_walk(full, layer).apply(),
         )
+
+
+def check_walk_matrix_reads_only_patterns(model, tokens):
+    patterns = [n for n in tl_connwalk.required_hooks(model) if n.endswith("hook_pattern")]
+    _, cache = model.run_with_cache(tokens, names_filter=patterns)
+    _, full = model.run_with_cache(tokens)
+    for layer in range(model.cfg.n_layers):
+        walk = tl_connwalk.walk_matrix(cache, layer)
+        assert walk.dtype == torch.float32
+        assert torch.equal(walk, tl_connwalk.connection_walk(full, layer).walk)
+    assert torch.equal(tl_connwalk.layer_drift(cache), tl_connwalk.layer_drift(full))
+    with pytest.raises(tl_connwalk.ConnWalkError, match="lacks"):
+        tl_connwalk.connection_walk(cache, 0)  # the walk itself needs the field too
+
+
+def test_walk_matrix_reads_only_the_patterns(arch):
+    check_walk_matrix_reads_only_patterns(build(arch), tokens())
+
+
+@pytest.mark.parametrize("bridge_arch", ["gpt2", "llama", "gemma3", "bert"])
+def test_walk_matrix_reads_only_the_patterns_on_bridges(bridge_arch):
+    check_walk_matrix_reads_only_patterns(random_bridge(bridge_arch), bridge_tokens())
+
+
+def test_walk_matrix_names_a_missing_pattern(gpt2):
+    names = [n for n in tl_connwalk.required_hooks(gpt2) if n != "blocks.1.attn.hook_pattern"]
+    _, cache = gpt2.run_with_cache(tokens(), names_filter=names)
+    with pytest.raises(tl_connwalk.ConnWalkError, match=r"lacks \['blocks.1.attn.hook_pattern'\]"):
+        tl_connwalk.walk_matrix(cache, 1)
+    with pytest.raises(tl_connwalk.ConnWalkError, match="walk matrix of layer 1"):
+        tl_connwalk.layer_drift(cache)
 
 
 def test_missing_hooks_are_named_with_a_fix(gpt2):

@@ -13,6 +13,7 @@ from tl_connwalk.analysis import layer_drift as layer_drift
 from tl_connwalk.cache import connection_walk as connection_walk
 from tl_connwalk.cache import laplacian_residual as laplacian_residual
 from tl_connwalk.cache import required_hooks as required_hooks
+from tl_connwalk.cache import walk_matrix as walk_matrix
 from tl_connwalk.core.generator import ConnectionGenerator as ConnectionGenerator
 from tl_connwalk.core.walk import EffectiveTransport as EffectiveTransport
 from tl_connwalk.corpus import analyze as analyze
@@ -40,4 +41,5 @@ __all__ = [
     "laplacian_residual",
     "layer_drift",
     "required_hooks",
+    "walk_matrix",
 ]

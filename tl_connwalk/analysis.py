@@ -14,7 +14,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformer_lens import ActivationCache
 
-from tl_connwalk.cache import connection_walk, n_layers_of
+from tl_connwalk.cache import connection_walk, n_layers_of, walk_matrix
 from tl_connwalk.core import markov
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.residual import LaplacianResidual
@@ -27,21 +27,22 @@ def layer_drift(
     """``(1/n) sum_i TV(W^l_i., W^{l+1}_i.)`` for every pair of consecutive layers (SPEC 3).
 
     ``[batch, n_layers - 1]``; column ``l`` compares layer ``l`` with ``l + 1``. With
-    ``exclude_sink`` the first key is removed and rows renormalised before comparing. Holds two
-    layers' walks (``2 batch n^2`` numbers) and one layer's gates at a time.
+    ``exclude_sink`` the first key is removed and rows renormalised before comparing. Reads
+    only the patterns (`tl_connwalk.cache.walk_matrix`) and holds two layers' walks
+    (``2 batch n^2`` numbers) at a time.
 
     >>> tl_connwalk.layer_drift(cache).shape  # two layers: one transition
     torch.Size([2, 1])
     """
     n_layers = n_layers_of(cache)
     # a generator: pairwise holds two layers' walks at a time, never all of them
-    walks = (connection_walk(cache, layer).walk for layer in range(n_layers))
+    walks = (walk_matrix(cache, layer) for layer in range(n_layers))
     drifts = [
         markov.layer_drift(before, after, exclude_sink=exclude_sink)
         for before, after in itertools.pairwise(walks)
     ]
     if not drifts:
-        first = connection_walk(cache, 0).walk
+        first = walk_matrix(cache, 0)
         return torch.zeros(first.shape[0], 0, dtype=first.dtype, device=first.device)
     return torch.stack([d.to(drifts[0].device) for d in drifts], dim=-1)
 

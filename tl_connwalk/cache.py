@@ -9,11 +9,14 @@ plain ``ActivationCache`` objects TransformerLens builds internally (``apply_sli
 from collections.abc import Iterable
 from typing import Any, cast
 
+from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens import ActivationCache
 
-from tl_connwalk.adapters import adapter_for, resolve_layer
+from tl_connwalk.adapters import Adapter, adapter_for, resolve_layer
 from tl_connwalk.adapters.checks import check_layer_devices
+from tl_connwalk.core import walk as core_walk
+from tl_connwalk.core.isometry import working_dtype
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.residual import LaplacianResidual
 from tl_connwalk.walk import ConnectionWalk
@@ -88,22 +91,49 @@ def connection_walk(
         >>> walk.walk.shape  # [batch, query, key]
         torch.Size([2, 8, 8])
     """
+    model, adapter, layer = _checked(cache, layer, model)
+    return adapter.walk_from_cache(cache, model, layer)
+
+
+def walk_matrix(
+    cache: ActivationCache, layer: int, model: nn.Module | None = None
+) -> Float[Tensor, "batch query key"]:
+    """Layer ``layer``'s walk ``W = (1/H) sum_h A^h`` alone, from its patterns (SPEC 1.2).
+
+    ``connection_walk(cache, layer).walk`` without the gates, field and weights: the cache
+    needs only ``blocks.{layer}.attn.hook_pattern``, and the working memory is the walk
+    itself. Float32 or wider, on the pattern's device; the checks of `connection_walk`.
+
+    >>> tl_connwalk.walk_matrix(cache, 0).shape  # [batch, query, key]
+    torch.Size([2, 8, 8])
+    """
+    model, adapter, layer = _checked(cache, layer, model, patterns_only=True)
+    pattern = adapter.pattern_from_cache(cache, model, layer)
+    return core_walk.walk_matrix(pattern.to(working_dtype(pattern)))
+
+
+def _checked(
+    cache: object, layer: object, model: nn.Module | None, *, patterns_only: bool = False
+) -> tuple[nn.Module, Adapter, int]:
+    """The cache's model, its adapter and the resolved layer, once the cache holds the hooks
+    the layer's walk is built from (only its patterns with ``patterns_only``) on one device."""
     model = _model_of(cache, model)
     adapter = adapter_for(model)
     layer = resolve_layer(adapter, model, layer)
-    needed = adapter.required_hooks(model, layer)
+    needed = adapter.required_hooks(model, layer)[: 1 if patterns_only else None]
+    cache = cast(ActivationCache, cache)
     missing = [name for name in needed if name not in cache.cache_dict]
     if missing:
+        what = "walk matrix" if patterns_only else "connection walk"
         raise ConnWalkError(
-            f"the cache lacks {missing}, which the connection walk of layer {layer} is built from "
+            f"the cache lacks {missing}, which the {what} of layer {layer} is built from "
             "(a names_filter left them out?). Re-run with e.g.\n"
             f"    model.run_with_cache(tokens, names_filter={needed!r})\n"
             "or names_filter=tl_connwalk.required_hooks(model) for every layer."
         )
-    check_layer_devices(
-        layer, {name: cache.cache_dict[name] for name in needed}, _attention_weights(model, layer)
-    )
-    return adapter.walk_from_cache(cache, model, layer)
+    weights = [] if patterns_only else _attention_weights(model, layer)
+    check_layer_devices(layer, {name: cache.cache_dict[name] for name in needed}, weights)
+    return model, adapter, layer
 
 
 def _attention_weights(model: nn.Module, layer: int) -> list[tuple[str, Tensor]]:

@@ -22,13 +22,13 @@ from transformer_lens.model_bridge import TransformerBridge
 from tl_connwalk import bridge_hooks, hooks
 from tl_connwalk.adapters import adapter_for
 from tl_connwalk.analysis import geometry_table, layer_drift
-from tl_connwalk.cache import connection_walk, laplacian_residual
+from tl_connwalk.cache import connection_walk, laplacian_residual, walk_matrix
 from tl_connwalk.errors import ConnWalkError
 
 #: The methods ``attach`` registers on ``ActivationCache``, by name.
 CACHE_METHODS: dict[str, Callable[..., Any]] = {
     function.__name__: function
-    for function in (connection_walk, laplacian_residual, layer_drift, geometry_table)
+    for function in (connection_walk, walk_matrix, laplacian_residual, layer_drift, geometry_table)
 }
 
 _MARK = "__tl_connwalk__"
@@ -81,8 +81,9 @@ def is_attached(model: nn.Module) -> bool:
 def attach(model: nn.Module) -> nn.Module:
     """Enable tl_connwalk on ``model``: cache methods and the conn hook points.
 
-    ``cache.connection_walk(layer)``, ``cache.laplacian_residual(layer)``,
-    ``cache.layer_drift()``, ``cache.geometry_table()`` on its caches, and on
+    ``cache.connection_walk(layer)``, ``cache.walk_matrix(layer)``,
+    ``cache.laplacian_residual(layer)``, ``cache.layer_drift()``, ``cache.geometry_table()`` on
+    its caches, and on
     ``HookedTransformer``/``HookedEncoder``/``TransformerBridge`` the hook points
     ``blocks.{l}.attn.hook_conn_walk``, ``hook_conn_gates`` and ``hook_conn_messages``
     (`tl_connwalk.hooks`, `tl_connwalk.bridge_hooks`). Idempotent;

@@ -7,7 +7,7 @@ the biases of a layer come from. Adding a model class is one new module here and
 
 from typing import Protocol, runtime_checkable
 
-from torch import nn
+from torch import Tensor, nn
 from transformer_lens import ActivationCache
 
 from tl_connwalk.adapters import bridge, hooked_transformer
@@ -25,7 +25,11 @@ class Adapter(Protocol):
 
     def n_layers(self, model: nn.Module) -> int: ...
 
-    def required_hooks(self, model: nn.Module, layer: int) -> list[str]: ...
+    def required_hooks(self, model: nn.Module, layer: int) -> list[str]: ...  # patterns first
+
+    def pattern_from_cache(
+        self, cache: ActivationCache, model: nn.Module, layer: int
+    ) -> Tensor: ...
 
     def walk_from_cache(
         self, cache: ActivationCache, model: nn.Module, layer: int

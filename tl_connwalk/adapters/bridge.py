@@ -66,13 +66,20 @@ def processing(model: nn.Module, layer: int) -> dict[str, bool]:
     }
 
 
+def pattern_from_cache(cache: ActivationCache, model: nn.Module, layer: int) -> Tensor:
+    """Layer ``layer``'s patterns ``[batch, head, query, key]``, checked (hook: by the caller)."""
+    name = required_hooks(model, layer)[0]
+    pattern = batched(cache[name], name, cache.has_batch_dim, 4)
+    check_pattern(pattern, name, layer, int(_bridge(model).cfg.n_heads))
+    return pattern
+
+
 def walk_from_cache(cache: ActivationCache, model: nn.Module, layer: int) -> ConnectionWalk:
     """Layer ``layer``'s connection walk from a cache of ``model`` (hooks checked by the caller)."""
-    pattern_name, field_name = required_hooks(model, layer)
-    pattern = batched(cache[pattern_name], pattern_name, cache.has_batch_dim, 4)
+    field_name = required_hooks(model, layer)[1]
+    pattern = pattern_from_cache(cache, model, layer)
     field = batched(cache[field_name], field_name, cache.has_batch_dim, 3)
     W_V, W_O, b_V, b_O = _weights(model, layer)
-    check_pattern(pattern, pattern_name, layer, W_O.shape[0])
     check_field(field, field_name, W_O.shape[2], pattern.shape[-1])
     return ConnectionWalk.from_pattern(
         pattern, field, W_V, W_O, b_V, b_O, layer=layer, processing=processing(model, layer)

@@ -122,12 +122,18 @@ def _value_input(cache: ActivationCache, model: nn.Module, layer: int) -> Tensor
     return x
 
 
-def walk_from_cache(cache: ActivationCache, model: nn.Module, layer: int) -> ConnectionWalk:
-    """Layer ``layer``'s connection walk from a cache of ``model`` (hooks checked by the caller)."""
+def pattern_from_cache(cache: ActivationCache, model: nn.Module, layer: int) -> Tensor:
+    """Layer ``layer``'s patterns ``[batch, head, query, key]``, checked (hook: by the caller)."""
     name = f"blocks.{layer}.attn.hook_pattern"
     pattern = batched(cache[name], name, cache.has_batch_dim, 4)
+    check_pattern(pattern, name, layer, _hooked(model).cfg.n_heads)
+    return pattern
+
+
+def walk_from_cache(cache: ActivationCache, model: nn.Module, layer: int) -> ConnectionWalk:
+    """Layer ``layer``'s connection walk from a cache of ``model`` (hooks checked by the caller)."""
+    pattern = pattern_from_cache(cache, model, layer)
     cfg = _hooked(model).cfg
-    check_pattern(pattern, name, layer, cfg.n_heads)
     field = _value_input(cache, model, layer)
     check_field(field, _field_hook(model, layer), cfg.d_model, pattern.shape[-1])
     attn = _hooked(model).blocks[layer].attn
