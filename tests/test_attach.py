@@ -4,7 +4,7 @@ import hashlib
 
 import pytest
 import torch
-from transformer_lens import ActivationCache, HookedRootModule
+from transformer_lens import ActivationCache
 
 import tl_connwalk
 from tests.architectures import attention_output, tokens
@@ -85,8 +85,7 @@ def test_attach_refuses_unsupported_models():
 
 
 def test_attach_adds_the_conn_hook_points_and_detach_removes_them(gpt2):
-    if not isinstance(gpt2, HookedRootModule):
-        pytest.skip("the conn hook points are HookedTransformer-only so far")
+    """On either class of the default model (HookedTransformer on 3.x, the Bridge on 4.x)."""
     tl_connwalk.attach(gpt2)
     try:
         name = "blocks.1.attn.hook_conn_walk"
