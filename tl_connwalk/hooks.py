@@ -32,10 +32,11 @@ How, without copying TransformerLens's attention forward:
 `uninstall` undoes exactly this. Another plugin's subclass on ``hook_v``/``hook_pattern``
 is refused with `tl_connwalk.errors.ConnWalkError`, never silently wrapped.
 
->>> install(model)  # doctest: +SKIP
->>> _, cache = model.run_with_cache(tokens, names_filter=hook_name(0, "walk"))  # doctest: +SKIP
->>> cache["blocks.0.attn.hook_conn_walk"].shape  # doctest: +SKIP
-torch.Size([1, 9, 9])
+>>> install(hooked_model)  # a HookedTransformer
+>>> _, cache = hooked_model.run_with_cache(tokens, names_filter=hook_name(0, "walk"))
+>>> cache["blocks.0.attn.hook_conn_walk"].shape  # [batch, query, key]
+torch.Size([2, 8, 8])
+>>> uninstall(hooked_model)
 """
 
 import importlib
@@ -302,10 +303,15 @@ def install(model: nn.Module) -> None:
     nothing) on a model that is not a ``HookedRootModule``, or whose ``hook_v``/``hook_pattern``
     another plugin already replaced.
 
-    >>> install(model)  # doctest: +SKIP
-    >>> drop_head_1 = lambda m, hook: m.index_fill(2, torch.tensor([1]), 0.0)  # doctest: +SKIP
-    >>> fwd_hooks = [(hook_name(0, "messages"), drop_head_1)]  # doctest: +SKIP
-    >>> logits = model.run_with_hooks(tokens, fwd_hooks=fwd_hooks)  # doctest: +SKIP
+    >>> install(hooked_model)
+    >>> drop_head_1 = lambda m, hook: m.index_fill(2, torch.tensor([1]), 0.0)
+    >>> fwd_hooks = [(hook_name(0, "messages"), drop_head_1)]
+    >>> logits = hooked_model.run_with_hooks(tokens, fwd_hooks=fwd_hooks)
+    >>> zero_z = [("blocks.0.attn.hook_z", drop_head_1)]  # the same ablation on hook_z
+    >>> expected = hooked_model.run_with_hooks(tokens, fwd_hooks=zero_z)
+    >>> torch.allclose(logits, expected, atol=1e-5)
+    True
+    >>> uninstall(hooked_model)
     """
     root, layers = _attention_layers(model)
     todo = [(name, attn) for name, attn in layers.items() if not _installed(name, attn)]
