@@ -222,7 +222,14 @@ def _apply_message_edits(module: nn.Module, args: Any, output: Tensor) -> Tensor
 def _correction(
     conn: _ConnLayer, value: Tensor, pattern: Tensor, W_O: Tensor, output: Tensor
 ) -> Tensor | None:
-    """Run the messages through their point; ``output + sum_h A^h (m'^h - m^h)`` if edited."""
+    """Run the messages through their point; ``output + sum_h A^h (m'^h - m^h)`` if edited.
+
+    A difference, not ``sum_h A^h m'^h + b_O`` remade from the messages: only the difference
+    composes with edits made between ``hook_v`` and the output (``hook_z``, ``hook_result``),
+    which the messages do not see. The price: zeroing every message leaves float rounding
+    where zeroing ``hook_z`` leaves exact zeros, which Gemma's ``ln1_post`` amplifies (~1e-4
+    at the logits).
+    """
     messages = _messages(value, W_O)
     version = messages._version
     new_messages = conn.messages(messages)
