@@ -103,7 +103,31 @@ def hook_overhead(n_pos: int, repeats: int) -> dict[str, float]:
     }
 
 
-def all_measurements(n_pos: int, baseline_draws: int) -> dict[str, float]:
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work, so that wall-clock times cover it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Peak:
+    """Peak memory growth over the start: the process's resident set on CPU, the caching
+    allocator's peak on CUDA (``torch.cuda.max_memory_allocated``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            self.start = torch.cuda.memory_allocated(device)
+        else:
+            self.start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def bytes(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) - self.start
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self.start
+
+
+def all_measurements(n_pos: int, baseline_draws: int, device: str = "cpu") -> dict[str, float]:
     """Every measurement on every layer of a GPT-2-small-shaped random model vs run_with_cache.
 
     12 layers, d_model 768, 12 heads of 64; batch 1. ``laplacian_residual`` per layer with the
@@ -111,36 +135,43 @@ def all_measurements(n_pos: int, baseline_draws: int) -> dict[str, float]:
     nothing computed before (the random draws and every layer's weight-only head Grams are
     computed inside the timing), ``warm`` on a cache of other tokens of the same model (what
     each further prompt or batch costs: the head Grams come from `core.head_grams`' store).
-    Peak memory: growth of the process peak over the caches, against the cached patterns.
+    Peak memory: growth of the process peak (CPU) or of the allocator's peak (CUDA) over the
+    caches, against the cached patterns.
     """
+    where = torch.device(device)
     model = random_bridge("gpt2", n_layers=12, d_model=768, n_heads=12, scale=0.02, n_ctx=n_pos)
-    tokens = torch.randint(0, VOCAB - 1, (2, 1, n_pos))
+    if where.type != "cpu":
+        model = model.to(where)
+    tokens = torch.randint(0, VOCAB - 1, (2, 1, n_pos)).to(where)
     names = tl_connwalk.required_hooks(model)
     with torch.no_grad():
         times, caches = [], {}
         for rep in range(4):  # a warm-up pass, then the median of three; one cache per tokens
             caches.pop(rep % 2, None)
+            _sync(where)
             start = time.perf_counter()
             _, caches[rep % 2] = model.run_with_cache(tokens[rep % 2], names_filter=names)
+            _sync(where)
             times.append(time.perf_counter() - start)
         forward = statistics.median(times[1:])
     first, second = caches[0], caches[1]
     patterns = sum(first[n].numel() * 4 for n in names if n.endswith("hook_pattern"))
     draws.raw_draws.cache_clear()
     head_grams.cache_clear()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = _Peak(where)
     seconds = {}
     for name, cache in [("cold", first), ("warm", second)]:
+        _sync(where)
         start = time.perf_counter()
         for layer in range(12):
             tl_connwalk.laplacian_residual(cache, layer, baseline_draws=baseline_draws)
         tl_connwalk.layer_drift(cache)
+        _sync(where)
         seconds[name] = time.perf_counter() - start
-    peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
-    return {"tokens": n_pos, "baseline_draws": baseline_draws, "cold_s": seconds["cold"],
-            "warm_s": seconds["warm"], "run_with_cache_s": forward,
+    return {"device": device, "tokens": n_pos, "baseline_draws": baseline_draws,
+            "cold_s": seconds["cold"], "warm_s": seconds["warm"], "run_with_cache_s": forward,
             "cold_ratio": seconds["cold"] / forward, "warm_ratio": seconds["warm"] / forward,
-            "peak_extra_over_patterns": peak / patterns}  # fmt: skip
+            "peak_extra_over_patterns": peak.bytes() / patterns}  # fmt: skip
 
 
 #: (query heads, key-value heads, d_head, d_model) of the layer shapes benchmarked alone
@@ -164,17 +195,24 @@ def layer_operands(n_pos: int, shape: str = "llama8b") -> tuple[torch.Tensor, ..
     return pattern, field, W_V, W_O
 
 
-def layer_residual(n_pos: int, shape: str, baseline_draws: int = 2) -> dict[str, float]:
+def layer_residual(
+    n_pos: int, shape: str, baseline_draws: int = 2, device: str = "cpu"
+) -> dict[str, float]:
     """laplacian_residual of one layer (all edges); peak growth over the built walk."""
-    pattern, field, W_V, W_O = layer_operands(n_pos, shape)
-    walk = tl_connwalk.ConnectionWalk.from_pattern(pattern, field, W_V, W_O)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    where = torch.device(device)
+    operands = [t.to(where) for t in layer_operands(n_pos, shape)]
+    walk = tl_connwalk.ConnectionWalk.from_pattern(*operands)
+    n_pattern = operands[0].numel()
+    del operands
+    peak = _Peak(where)
+    _sync(where)
     start = time.perf_counter()
     walk.laplacian_residual(baseline_draws=baseline_draws)
+    _sync(where)
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
-    return {"tokens": n_pos, "baseline_draws": baseline_draws, "seconds": seconds,
-            "peak_extra_MiB": peak / 1024, "pattern_MiB": pattern.numel() * 4 / 2**20}  # fmt: skip
+    return {"device": device, "tokens": n_pos, "baseline_draws": baseline_draws,
+            "seconds": seconds, "peak_extra_MiB": peak.bytes() / 2**20,
+            "pattern_MiB": n_pattern * 4 / 2**20}  # fmt: skip
 
 
 def llama8b_layer(n_pos: int = 2048) -> dict[str, float]:
@@ -328,6 +366,11 @@ def main() -> None:
         return
     if args.case == "analyze_dp":
         print(json.dumps(analyze_data_parallel()))
+        return
+    if args.case == "gpu":  # the figures issue 8 asks of a GPU machine, in one command
+        gpu = [all_measurements(n, 2, "cuda") for n in (256, 1024, 4096)]
+        gpu.append(layer_residual(2048, "llama8b", device="cuda"))
+        print(json.dumps(gpu, indent=2))
         return
     results: dict[str, object] = {"threads": args.threads, "torch": torch.__version__}
     sizes = [256, 1024] if args.quick else [256, 1024, 4096]
