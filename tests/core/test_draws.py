@@ -6,6 +6,7 @@ shared draws rescale Grams computed once, so they agree to rounding: 1e-10 absol
 float64 on defects in [0, 1], 1e-5 in float32.
 """
 
+import functools
 import inspect
 import json
 
@@ -115,6 +116,29 @@ def test_family_means_equal_one_family_at_a_time(exclude_sink, chunk, listed):
         eps = iso.edge_gram_defects(p.gates, K2_f, K4_f, rank, p.walk)
         expected = iso.walk_weighted_mean(p.walk, eps, exclude_sink=exclude_sink, edges=edges)
         torch.testing.assert_close(means[family], expected, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("bad", ["overflow", "nan"])
+def test_a_family_that_leaves_the_float_range_raises_instead_of_a_silent_zero(bad):
+    """float32 Grams whose fourth powers overflow (or a NaN): one check of the whole result."""
+    p = random_problem(batch=2, heads=3, pos=7, seed=5, causal=True, dtype=torch.float32)
+    K2, K4 = iso.gram_matrices(p.W_V, p.W_O)
+    pairs = iso.fold_pairs(K4)
+    scale = 1e30 if bad == "overflow" else float("nan")
+    K2_bad, pairs_bad = K2 * scale, pairs * scale**2
+    if bad == "nan":  # one entry only: every other edge of that family stays finite
+        K2_bad, pairs_bad = K2.clone(), pairs.clone()
+        pairs_bad[0, 0] = float("nan")
+    for K2_f, pairs_f in [(K2_bad, pairs_bad), (K2, pairs)]:  # the healthy family still works
+        run = functools.partial(
+            iso.gram_defect_means, p.walk, p.gates, torch.stack([K2, K2_f]),
+            torch.stack([pairs, pairs_f]), iso.effective_rank(p.W_V, p.W_O),
+        )  # fmt: skip
+        if K2_f is K2:
+            assert torch.isfinite(run()).all()
+        else:
+            with pytest.raises(ConnWalkError, match="overflowed the working precision"):
+                run()
 
 
 def test_family_shapes_are_checked():
