@@ -218,13 +218,12 @@ def layer_residual(
 def llama8b_layer(n_pos: int = 2048) -> dict[str, float]:
     """One Llama-3-8B-shaped layer (32 heads, 8 KV heads, d_head 128, d_model 4096) at n_pos."""
     pattern, field, W_V, W_O = layer_operands(n_pos)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = _Peak(torch.device("cpu"))
     start = time.perf_counter()
     walk = tl_connwalk.ConnectionWalk.from_pattern(pattern, field, W_V, W_O)
     walk.apply() + walk.bias()
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
-    return {"tokens": n_pos, "seconds": seconds, "peak_extra_MiB": peak / 1024,
+    return {"tokens": n_pos, "seconds": seconds, "peak_extra_MiB": peak.bytes() / 2**20,
             "pattern_MiB": pattern.numel() * 4 / 2**20}  # fmt: skip
 
 

@@ -281,8 +281,10 @@ def isometry_defects(
     """
     terms = _layer_terms(walk)
     if kind == "gram":
-        K2, K4 = terms.grams
-        return isometry.edge_gram_defects(walk.gates, K2, K4, terms.rank, walk.walk)
+        heads = terms.heads
+        return isometry.folded_edge_gram_defects(
+            walk.gates, heads.K2, heads.pair_gram, terms.rank, walk.walk
+        )
     if kind == "frobenius":
         sigma = isometry.edge_singular_values(walk.gates, terms.W_V, terms.W_O)
         delta = isometry.isometry_defect(sigma, terms.rank)
@@ -298,8 +300,8 @@ class _LayerTerms:
 
     ``field``, ``W_V``, ``W_O`` are unit-scaled (`_unit_scaled`; ``factor`` undoes it for the
     common scale); ``heads`` are their `head_grams.HeadGrams` (from the store shared by every
-    walk, `head_grams.head_grams`), ``grams`` is ``(K2, K4)`` for the per-edge defects;
-    ``layer_draws`` and ``draw_message_grams`` are memoised per ``(n_draws, seed)``.
+    walk, `head_grams.head_grams`); ``layer_draws`` and ``draw_message_grams`` are memoised
+    per ``(n_draws, seed)``.
     """
 
     def __init__(self, walk: "ConnectionWalk") -> None:
@@ -318,11 +320,6 @@ class _LayerTerms:
         return head_grams.head_grams(self.W_V, self.W_O)
 
     @functools.cached_property
-    def grams(self) -> tuple[Tensor, Tensor]:
-        """``(K2, K4)`` of the layer (`isometry.gram_matrices`), for `isometry_defects`."""
-        return isometry.gram_matrices(self.W_V, self.W_O)
-
-    @functools.cached_property
     def message_grams(self) -> Tensor:
         return field_defect.message_grams(self.field, self.W_V, self.W_O)
 
@@ -336,14 +333,11 @@ class _LayerTerms:
         return self._draws[key]
 
     def draw_message_grams(self, n_draws: int, seed: int) -> list[Tensor]:
-        """`field_defect.message_grams` of each draw's factors, one draw alive at a time."""
+        """`draws.LayerDraws.message_grams` of the field, one draw alive at a time."""
         key = (n_draws, seed)
         if key not in self._draw_grams:
-            grams = []
-            for values, outputs in self.layer_draws(n_draws, seed).factors():
-                grams.append(field_defect.message_grams(self.field, values, outputs))
-                del values, outputs  # before the next draw is made
-            self._draw_grams[key] = grams
+            rand = self.layer_draws(n_draws, seed)
+            self._draw_grams[key] = list(rand.message_grams(self.field))
         return self._draw_grams[key]
 
 

@@ -198,6 +198,7 @@ def test_edge_gram_defects_match_per_edge_svd(heads, causal, monkeypatch):
     eps = iso.edge_gram_defects(g, K2, K4, r, walk)
     torch.testing.assert_close(eps, expected, rtol=0, atol=CLOSED_FORM_ATOL)
     assert ((eps == 0) | (walk > 0)).all()  # 0 off the walk
+    assert torch.equal(iso.folded_edge_gram_defects(g, K2, iso.fold_pairs(K4), r, walk), eps)
     scales = iso.edge_frobenius_scales(g, K2, r)
     assert_close(scales, ((sigma**2).sum(-1) / r).sqrt())
     # delta "where affordable": per-edge SVD of the small cores

@@ -10,9 +10,11 @@ and seed (`raw_draws`, cached), and a layer's draw is a rescaling of it (`layer_
     K2'[a,b]        = s_a s_b K2_R[a,b]
     fold(K4')[p,q]  = s_p s_q fold(K4_R)[p,q],    s_p = s_a s_c for the head pair p = {a, c}
     delta(s_h R^h)  = delta(R^h)                  (0 where s_h = 0: a zero head stays 0)
+    G'_j[a,b]       = s_a s_b G_R,j[a,b]          (message Grams, `field_defect.message_grams`)
 
 These are the values of `isometry.random_baselines` with the same seed, up to rounding; the
-data-dependent field defect still runs on each layer's scaled factors (`LayerDraws.factors`).
+data-dependent field defect still needs each layer's field through the raw factors
+(`LayerDraws.message_grams`).
 """
 
 import dataclasses
@@ -24,7 +26,7 @@ from einops import rearrange
 from jaxtyping import Float
 from torch import Tensor
 
-from tl_connwalk.core import isometry
+from tl_connwalk.core import field_defect, isometry
 from tl_connwalk.core.head_grams import HeadGrams, compute_head_grams
 from tl_connwalk.errors import ConnWalkError
 
@@ -99,6 +101,17 @@ class LayerDraws:
     K2: Float[Tensor, "draw head head"]
     pair_gram: Float[Tensor, "draw pair pair"]
     head_defects: Float[Tensor, "draw head"]
+
+    def message_grams(self, field: Float[Tensor, "batch key d_model"]) -> Iterator[Tensor]:
+        """`field_defect.message_grams` of each draw on ``field``, ``[batch, key, head, head]``.
+
+        The draw is ``T'^h = s_h R^h``, so its message Gram is the raw draw's times
+        ``s_a s_b``: no scaled copy of the factors is made, one raw draw alive at a time.
+        """
+        for (R_V, R_O), scale in zip(self.raw.factors(), self.scales, strict=True):
+            grams = field_defect.message_grams(field, R_V, R_O)
+            del R_V, R_O  # before the next draw is made
+            yield grams * (scale[:, None] * scale[None, :]).to(grams)
 
     def factors(self) -> Iterator[tuple[Tensor, Tensor]]:
         """Each draw's ``(W_V', W_O')``, as `isometry.random_head_factors` returns them."""

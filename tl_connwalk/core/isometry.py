@@ -566,7 +566,45 @@ def edge_gram_defects(
     _check_rank(rank)
     _check_chunk(query_chunk)
     gates, K2, K4 = _cast_gates(gates, K2, K4)
-    families = _family_rows(K2[None], fold_pairs(K4)[None])
+    return _edge_gram_defects(gates, K2, fold_pairs(K4), rank, walk, edges, query_chunk)
+
+
+def folded_edge_gram_defects(
+    gates: Float[Tensor, "batch head query key"],
+    K2: Float[Tensor, "head head"],
+    pair_gram: Float[Tensor, "pair pair"],
+    rank: int,
+    walk: Float[Tensor, "batch query key"] | None = None,
+    *,
+    edges: Bool[Tensor, "batch query key"] | None = None,
+    query_chunk: int | None = None,
+) -> Float[Tensor, "batch query key"]:
+    """`edge_gram_defects` from the folded ``pair_gram = fold_pairs(K4)`` (the form
+    `tl_connwalk.core.head_grams.HeadGrams` keeps) instead of ``K4``; the same values.
+
+    >>> A = torch.softmax(torch.randn(1, 2, 4, 4), -1)
+    >>> K2, K4 = gram_matrices(torch.randn(2, 8, 4), torch.randn(2, 4, 8))
+    >>> folded_edge_gram_defects(A / A.sum(1, keepdim=True), K2, fold_pairs(K4), rank=8).shape
+    torch.Size([1, 4, 4])
+    """
+    _check_gates(gates, K2.shape[0])
+    _check_rank(rank)
+    _check_chunk(query_chunk)
+    gates, K2, pair_gram = _cast_gates(gates, K2, pair_gram)
+    return _edge_gram_defects(gates, K2, pair_gram, rank, walk, edges, query_chunk)
+
+
+def _edge_gram_defects(
+    gates: Tensor,
+    K2: Tensor,
+    pair_gram: Tensor,
+    rank: int,
+    walk: Tensor | None,
+    edges: Tensor | None,
+    query_chunk: int | None,
+) -> Tensor:
+    """The work of `edge_gram_defects` on checked, cast inputs and the folded ``K4``."""
+    families = _family_rows(K2[None], pair_gram[None])
     if edges is not None:
         _check_edges(edges, gates)
         b, i, j = edges.to(gates.device).nonzero(as_tuple=True)
