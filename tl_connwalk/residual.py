@@ -321,7 +321,9 @@ class _LayerTerms:
 
     @functools.cached_property
     def message_grams(self) -> Tensor:
-        return field_defect.message_grams(self.field, self.W_V, self.W_O)
+        return field_defect.message_grams(
+            self.field, self.W_V, self.W_O, out_gram=self.heads.out_gram
+        )
 
     def layer_draws(self, n_draws: int, seed: int) -> draws.LayerDraws:
         """`draws.layer_draws` of the (unit-scaled) weights."""

@@ -165,8 +165,8 @@ def test_a_walk_measures_its_weights_once_and_again_after_an_edit(monkeypatch):
     draws.layer_draws(p.W_V, p.W_O, 2, 0)  # the shared raw draws, drawn before counting
     head_grams.cache_clear()
     calls = []
-    gram_matrices = iso.gram_matrices
-    monkeypatch.setattr(iso, "gram_matrices", lambda *a: calls.append(1) or gram_matrices(*a))
+    factor_grams = iso.head_factor_grams
+    monkeypatch.setattr(iso, "head_factor_grams", lambda *a: calls.append(1) or factor_grams(*a))
     with_sink = walk.laplacian_residual(baseline_draws=2)
     without_sink = walk.laplacian_residual(baseline_draws=2, exclude_sink=True)
     assert len(calls) == 1

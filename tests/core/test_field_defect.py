@@ -46,6 +46,37 @@ def test_ratios_and_defect_match_dense_messages(heads):
     )
 
 
+@pytest.mark.parametrize(
+    ("heads", "d_model", "d_head"), [(1, 6, 2), (3, 12, 3), (4, 8, 4), (5, 7, 2)]
+)  # H d_head below, equal to and above d_model
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_message_grams_through_the_output_gram_equal_the_messages(
+    heads, d_model, d_head, dtype, monkeypatch
+):
+    """``G_j[a,b] = v^a_j (W_O^a W_O^b^T) v^b_j^T`` against the messages' own Gram, with keys
+    split over several blocks."""
+    _, field, W_V, W_O = random_problem(heads=heads, d_model=d_model, d_head=d_head, pos=7)
+    field, W_V, W_O = field.to(dtype), W_V.to(dtype), W_O.to(dtype)
+    messages = torch.einsum("bjd,hde,hef->bjhf", field, W_V, W_O)
+    expected = torch.einsum("bjaf,bjcf->bjac", messages, messages)
+    out_gram = W_O.flatten(0, 1) @ W_O.flatten(0, 1).T
+    assert_close(fd.message_grams(field, W_V, W_O, out_gram=out_gram), expected)
+    monkeypatch.setattr(fd, "_query_chunks", lambda n, per, chunk=None: _slices(n, 3))
+    blocked = fd.message_grams(field, W_V, W_O, out_gram=out_gram)
+    assert_close(blocked, expected)
+    assert torch.equal(blocked, blocked.mT)  # filled from the upper triangle
+
+
+def _slices(n, step):
+    return [slice(start, start + step) for start in range(0, n, step)]
+
+
+def test_message_grams_reject_an_output_gram_of_other_heads():
+    _, field, W_V, W_O = random_problem(heads=3)
+    with pytest.raises(ConnWalkError, match=r"out_gram \(6, 6\) must be \[H d_head, H d_head\]"):
+        fd.message_grams(field, W_V, W_O, out_gram=torch.eye(6, dtype=F64))
+
+
 def test_message_grams_and_head_ratios():
     pattern, field, W_V, W_O = random_problem(heads=3)
     messages = torch.einsum("bjd,hde,hef->bjhf", field, W_V, W_O)

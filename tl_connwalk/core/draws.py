@@ -106,10 +106,12 @@ class LayerDraws:
         """`field_defect.message_grams` of each draw on ``field``, ``[batch, key, head, head]``.
 
         The draw is ``T'^h = s_h R^h``, so its message Gram is the raw draw's times
-        ``s_a s_b``: no scaled copy of the factors is made, one raw draw alive at a time.
+        ``s_a s_b``: no scaled copy of the factors is made, one raw draw alive at a time (and
+        the raw draw's ``out_gram``, where kept, spares its messages).
         """
-        for (R_V, R_O), scale in zip(self.raw.factors(), self.scales, strict=True):
-            grams = field_defect.message_grams(field, R_V, R_O)
+        draws = zip(self.raw.factors(), self.raw.draws, self.scales, strict=True)
+        for (R_V, R_O), raw, scale in draws:
+            grams = field_defect.message_grams(field, R_V, R_O, out_gram=raw.out_gram)
             del R_V, R_O  # before the next draw is made
             yield grams * (scale[:, None] * scale[None, :]).to(grams)
 

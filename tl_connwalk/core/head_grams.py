@@ -24,14 +24,19 @@ from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
+from einops import rearrange
 from jaxtyping import Float
 from torch import Tensor
 
 from tl_connwalk.core import isometry
 
 #: Most bytes the store keeps (least recently used entries leave first). A GPT-2-small layer
-#: needs 26 KiB, a Llama-3-8B layer (32 heads) 1.1 MiB.
+#: needs 2.3 MiB (26 KiB without its ``out_gram``), a Llama-3-8B layer (32 heads) 1.1 MiB.
 CACHE_BYTES = 2**28
+#: Widest ``H d_head`` whose output Gram ``W_O^cat W_O^cat^T`` is kept (`HeadGrams.out_gram`):
+#: 1024 is 4 MiB in float32 (GPT-2 small: 768, 2.25 MiB). Wider layers measure their message
+#: Grams through the messages instead (`field_defect.message_grams`).
+OUT_GRAM_WIDTH = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,19 +44,23 @@ class HeadGrams:
     """The weight-only terms of one layer's heads (or of one random draw of them).
 
     ``norms_sq[h] = ||T^h||_F^2`` (the diagonal of ``K2``), ``K2[a,b] = tr(T^a^T T^b)``,
-    ``pair_gram = fold_pairs(K4)`` over the head pairs ``a <= c`` and ``head_defects[h] =
-    delta(T^h)`` with ``r = d_head``.
+    ``pair_gram = fold_pairs(K4)`` over the head pairs ``a <= c``, ``head_defects[h] =
+    delta(T^h)`` with ``r = d_head``, and ``out_gram = W_O^cat W_O^cat^T`` (blocks ``W_O^a
+    W_O^b^T``, ``(H d_head)``-square; what `field_defect.message_grams` needs to skip the
+    messages) where ``H d_head <= OUT_GRAM_WIDTH``, else ``None``.
     """
 
     norms_sq: Float[Tensor, " head"]
     K2: Float[Tensor, "head head"]
     pair_gram: Float[Tensor, "pair pair"]
     head_defects: Float[Tensor, " head"]
+    out_gram: Float[Tensor, "head_d_head head_d_head"] | None = None
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the four tensors."""
-        return sum(t.numel() * t.element_size() for t in dataclasses.astuple(self))
+        """Bytes held by the tensors."""
+        held = [t for t in dataclasses.astuple(self) if t is not None]
+        return sum(t.numel() * t.element_size() for t in held)
 
 
 def compute_head_grams(
@@ -60,15 +69,22 @@ def compute_head_grams(
     """`HeadGrams` of ``W_V``, ``W_O``, computed now (no store): ``O(H^3 d_head^3)``.
 
     >>> terms = compute_head_grams(torch.randn(3, 8, 2), torch.randn(3, 2, 8))
-    >>> terms.K2.shape, terms.pair_gram.shape
-    (torch.Size([3, 3]), torch.Size([6, 6]))
+    >>> terms.K2.shape, terms.pair_gram.shape, terms.out_gram.shape
+    (torch.Size([3, 3]), torch.Size([6, 6]), torch.Size([6, 6]))
     """
-    K2, K4 = isometry.gram_matrices(W_V, W_O)
+    gram_v, gram_o = isometry.head_factor_grams(W_V, W_O)
+    K2, K4 = isometry.grams_of_factor_grams(gram_v, gram_o)
+    n_heads, _, d_head, _ = gram_o.shape
+    out_gram = None
+    if n_heads * d_head <= OUT_GRAM_WIDTH:
+        out_gram = rearrange(gram_o, "a b p q -> (a p) (b q)")
+    del gram_v, gram_o
     return HeadGrams(
         norms_sq=K2.diagonal().clone(),
         K2=K2,
         pair_gram=isometry.fold_pairs(K4),
         head_defects=isometry.head_transport_defects(W_V, W_O),
+        out_gram=out_gram,
     )
 
 

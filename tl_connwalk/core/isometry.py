@@ -206,13 +206,19 @@ def head_norms_sq(
     return einsum(W_V.mT @ W_V, W_O @ W_O.mT, "head p q, head q p -> head")
 
 
-def _head_factor_grams(W_V: Tensor, W_O: Tensor) -> tuple[Tensor, Tensor]:
+def head_factor_grams(
+    W_V: Float[Tensor, "head d_model d_head"], W_O: Float[Tensor, "head d_head d_model"]
+) -> tuple[Float[Tensor, "head head d_head d_head"], Float[Tensor, "head head d_head d_head"]]:
     """``GV[a,b] = W_V^a^T W_V^b`` and ``GO[a,b] = W_O^a W_O^b^T``, both ``[H, H, d_h, d_h]``.
 
     A row ``a`` at a time, each one matrix product with the concatenated factor (``d_h x
     d_model`` by ``d_model x H d_h``): one ``W_V``-sized layout copy, no full ``H d_h``-square
     temporary beside the two results.
+
+    >>> [g.shape for g in head_factor_grams(torch.randn(3, 8, 2), torch.randn(3, 2, 8))]
+    [torch.Size([3, 3, 2, 2]), torch.Size([3, 3, 2, 2])]
     """
+    W_V, W_O = _cast_heads(W_V, W_O)
     n_heads, _, d_head = W_V.shape
     values = rearrange(W_V, "head d_model d_head -> d_model (head d_head)")
     gram_v = W_V.new_empty(n_heads, n_heads, d_head, d_head)
@@ -290,8 +296,22 @@ def gram_matrices(
     (torch.Size([3, 3]), torch.Size([3, 3, 3, 3]))
     """
     W_V, W_O = _cast_heads(W_V, W_O)
-    n_heads, _, d_head = W_V.shape
-    gram_v, gram_o = _head_factor_grams(W_V, W_O)
+    return grams_of_factor_grams(*head_factor_grams(W_V, W_O))
+
+
+def grams_of_factor_grams(
+    gram_v: Float[Tensor, "head head d_head d_head"],
+    gram_o: Float[Tensor, "head head d_head d_head"],
+) -> tuple[Float[Tensor, "head head"], Float[Tensor, "head head head head"]]:
+    """`gram_matrices` from ``GV[a,b] = W_V^a^T W_V^b`` and ``GO[a,b] = W_O^a W_O^b^T``
+    (`head_factor_grams`), for callers that keep ``GO`` as well.
+
+    >>> W_V, W_O = torch.randn(3, 8, 2), torch.randn(3, 2, 8)
+    >>> K2, K4 = grams_of_factor_grams(*head_factor_grams(W_V, W_O))
+    >>> torch.allclose(K4, gram_matrices(W_V, W_O)[1])
+    True
+    """
+    n_heads, _, d_head, _ = gram_v.shape
     K2 = einsum(gram_v, gram_o, "a b p q, a b p q -> a b")  # GO[b,a] = GO[a,b]^T
     K4 = gram_v.new_empty(n_heads, n_heads, n_heads, n_heads)
     step = max(1, CHUNK_ENTRIES // (8 * n_heads * d_head * d_head))
@@ -405,22 +425,44 @@ def fold_pairs(K4: Float[Tensor, "head head head head"]) -> Float[Tensor, "pair 
     return fold.T @ rearrange(K4, "a b c e -> (a c) (b e)") @ fold
 
 
-def _family_rows(K2: Tensor, pair_gram: Tensor) -> tuple[Tensor, Tensor]:
-    """``K2`` ``[family, H, H]`` and ``pair_gram`` ``[family, P, P]`` stacked as row blocks.
+#: Head pairs per row block of the folded ``K4`` in the per-edge work (`_family_rows`).
+PAIR_BLOCK = 16
 
-    ``[(family a), b]`` and ``[(family p), q]``, the pairs zero-padded to a multiple of 16 (a
-    matrix product with such a width runs about 1.3x faster on CPU; the padding adds 0).
+
+@dataclasses.dataclass(frozen=True)
+class _FamilyRows:
+    """Several families' Grams laid out for `_family_gram_defects`.
+
+    ``K2`` as rows ``[(family a), b]``. The folded ``K4`` ``F`` (zero-padded to a multiple of
+    ``PAIR_BLOCK`` pairs) as the row blocks of its upper block triangle: block ``k`` holds, for
+    the pairs ``p`` of ``[kB, kB + B)`` (``B = PAIR_BLOCK``), the row ``p`` of ``S = (F + F^T)
+    / 2`` from pair ``kB`` on, with the columns past the block doubled. Then for any ``u``::
+
+        u^T F u = u^T S u = sum_k u_k^T (blocks[k] @ u[kB:])
+
+    with about half the products of ``F @ u`` (1.2x faster per edge on CPU, GPT-2 small).
     """
+
+    K2: Tensor
+    pair_blocks: tuple[Tensor, ...]
+    padded: int
+
+
+def _family_rows(K2: Tensor, pair_gram: Tensor) -> _FamilyRows:
+    """`_FamilyRows` of ``K2`` ``[family, H, H]`` and ``pair_gram`` ``[family, P, P]``."""
     families, n_pairs = pair_gram.shape[0], pair_gram.shape[-1]
-    padded = -(-n_pairs // 16) * 16
-    pair_rows = pair_gram.new_zeros(families, padded, padded)
-    pair_rows[:, :n_pairs, :n_pairs] = pair_gram
-    return rearrange(K2, "family a b -> (family a) b"), rearrange(
-        pair_rows, "family p q -> (family p) q"
-    )
+    padded = -(-n_pairs // PAIR_BLOCK) * PAIR_BLOCK
+    sym = pair_gram.new_zeros(families, padded, padded)
+    sym[:, :n_pairs, :n_pairs] = (pair_gram + pair_gram.mT) / 2
+    blocks = []
+    for start in range(0, padded, PAIR_BLOCK):
+        block = sym[:, start : start + PAIR_BLOCK, start:].clone()
+        block[:, :, PAIR_BLOCK:] *= 2
+        blocks.append(rearrange(block, "family p q -> (family p) q").contiguous())
+    return _FamilyRows(rearrange(K2, "family a b -> (family a) b"), tuple(blocks), padded)
 
 
-def _family_gram_defects(g: Tensor, K2_rows: Tensor, pair_rows: Tensor, rank: int) -> Tensor:
+def _family_gram_defects(g: Tensor, rows: _FamilyRows, rank: int) -> Tensor:
     """``eps`` of the edges with gates ``g`` ``[head, edge]``, per family: ``[family, edge]``.
 
     The families (`_family_rows`: a layer and its random draws, say) share the gates, so each
@@ -428,23 +470,27 @@ def _family_gram_defects(g: Tensor, K2_rows: Tensor, pair_rows: Tensor, rank: in
 
         sum sigma^2 = H^2 g^T K2[f] g,    sum sigma^4 = H^4 u^T fold(K4[f]) u,  u_{ac} = g^a g^c
 
+    the quartic form through the upper block triangle of ``fold(K4[f])`` (`_FamilyRows`).
     Blocks keep the temporaries in cache: the work is bound by memory traffic, not flops.
     """
     n_heads, n_edges = g.shape
-    families = K2_rows.shape[0] // n_heads
-    padded = pair_rows.shape[1]
+    families = rows.K2.shape[0] // n_heads
     first, second = head_pairs(n_heads, g.device)
     out = g.new_empty(families, n_edges)
-    pairs = g.new_zeros(padded, min(EDGE_BLOCK, n_edges))  # the padding rows stay 0
+    pairs = g.new_zeros(rows.padded, min(EDGE_BLOCK, n_edges))  # the padding rows stay 0
     for start in range(0, n_edges, EDGE_BLOCK):
         block = g[:, start : start + EDGE_BLOCK]
         size = block.shape[1]
-        mixed = rearrange(K2_rows @ block, "(family a) edge -> family a edge", a=n_heads)
+        mixed = rearrange(rows.K2 @ block, "(family a) edge -> family a edge", a=n_heads)
         sigma2 = n_heads**2 * (mixed * block).sum(1)
         u = pairs[:, :size]
         torch.mul(block[first], block[second], out=u[: first.numel()])
-        mixed = rearrange(pair_rows @ u, "(family p) edge -> family p edge", p=padded)
-        sigma4 = n_heads**4 * (mixed * u).sum(1)
+        sigma4 = g.new_zeros(families, size)
+        for k, pair_block in enumerate(rows.pair_blocks):
+            at = k * PAIR_BLOCK
+            mixed = rearrange(pair_block @ u[at:], "(family p) edge -> family p edge", p=PAIR_BLOCK)
+            sigma4 += (mixed.mul_(u[at : at + PAIR_BLOCK])).sum(1)
+        sigma4 *= n_heads**4
         out[:, start : start + size] = _ratio_defect(rank * sigma4 - sigma2**2, rank * sigma4)
     return out
 
@@ -610,7 +656,7 @@ def _edge_gram_defects(
         b, i, j = edges.to(gates.device).nonzero(as_tuple=True)
         eps = torch.zeros(edges.shape, dtype=gates.dtype, device=gates.device)
         listed = gates[b, :, i, j].T.contiguous()  # [head, edge]
-        eps[b, i, j] = _family_gram_defects(listed, *families, rank)[0]
+        eps[b, i, j] = _family_gram_defects(listed, families, rank)[0]
         return _zero_off_walk(eps, walk)
     batch, n_heads, n_query, n_key = gates.shape
     eps = gates.new_zeros(batch, n_query, n_key)  # filled chunk by chunk (see `_query_chunks`)
@@ -618,7 +664,7 @@ def _edge_gram_defects(
     for rows, keys in _edge_chunks(n_query, n_key, per_query, query_chunk, walk):
         if keys == 0:  # no edge in these rows
             continue
-        chunk = _family_gram_defects(_heads_by_edge(gates[:, :, rows, :keys]), *families, rank)
+        chunk = _family_gram_defects(_heads_by_edge(gates[:, :, rows, :keys]), families, rank)
         eps[:, rows, :keys] = chunk.view(batch, -1, keys)
     return _zero_off_walk(eps, walk)
 
@@ -675,14 +721,14 @@ def gram_defect_means(
     if edges is not None:
         _check_edges(edges, gates)
         b, i, j = (weights > 0).nonzero(as_tuple=True)
-        eps = _family_gram_defects(gates[b, :, i, j].T.contiguous(), *stacked, rank)
+        eps = _family_gram_defects(gates[b, :, i, j].T.contiguous(), stacked, rank)
         total.index_add_(1, b, weights[b, i, j] * eps)
     else:
         per_query = batch * n_key * (n_heads + 2 * families)
         for rows, keys in _edge_chunks(n_query, n_key, per_query, query_chunk, walk):
             if keys == 0:  # no edge in these rows
                 continue
-            eps = _family_gram_defects(_heads_by_edge(gates[:, :, rows, :keys]), *stacked, rank)
+            eps = _family_gram_defects(_heads_by_edge(gates[:, :, rows, :keys]), stacked, rank)
             eps = rearrange(eps, "family (batch edge) -> family batch edge", batch=batch)
             weight = rearrange(weights[:, rows, :keys], "batch query key -> batch (query key)")
             eps = torch.where(weight > 0, eps, torch.zeros_like(eps))
