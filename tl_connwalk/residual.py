@@ -209,15 +209,18 @@ def laplacian_residual(
     K2 = heads.K2
     # the layer and its random draws (shared by every layer of this shape) as one family each
     rand = terms.layer_draws(baseline_draws, seed)
-    transport = isometry.gram_defect_means(
+    means = isometry.gram_means(
         W, g, torch.cat([K2[None], rand.K2]), torch.cat([heads.pair_gram[None], rand.pair_gram]),
         terms.rank, exclude_sink=exclude_sink, edges=kept, query_chunk=query_chunk,
     )  # fmt: skip
-    unit_scale = isometry.walk_weighted_mean(
-        W,
-        isometry.edge_frobenius_scales(g, K2, terms.rank, W, query_chunk=query_chunk),
-        exclude_sink=exclude_sink,
-    )
+    transport = means.defect
+    unit_scale = means.scale[0]
+    if kept is not None:  # the scale is over every edge, whatever the mass share
+        unit_scale = isometry.walk_weighted_mean(
+            W,
+            isometry.edge_frobenius_scales(g, K2, terms.rank, W, query_chunk=query_chunk),
+            exclude_sink=exclude_sink,
+        )
 
     # the layer and its draws again as one family each, now by their message Grams
     message_grams = [terms.message_grams, *terms.draw_message_grams(baseline_draws, seed)]

@@ -101,7 +101,8 @@ def test_a_zero_head_draws_a_zero_head():
 @pytest.mark.parametrize("chunk", [None, 1, 4])
 @pytest.mark.parametrize("listed", [False, True])
 def test_family_means_equal_one_family_at_a_time(exclude_sink, chunk, listed):
-    """gram_defect_means of three families == walk_weighted_mean of each family's edge defects."""
+    """gram_means of three families == walk_weighted_mean of each family's edge defects and
+    Frobenius scales; gram_defect_means is its defect."""
     p = random_problem(batch=2, heads=3, pos=7, seed=5, causal=True)
     problems = [p, random_problem(seed=6), random_problem(seed=7)]
     grams = [iso.gram_matrices(q.W_V, q.W_O) for q in problems]
@@ -109,13 +110,18 @@ def test_family_means_equal_one_family_at_a_time(exclude_sink, chunk, listed):
     pairs = torch.stack([iso.fold_pairs(K4) for _, K4 in grams])
     edges = iso.heaviest_edges(p.walk, 0.7) if listed else None
     rank = iso.effective_rank(p.W_V, p.W_O)
-    means = iso.gram_defect_means(
-        p.walk, p.gates, K2, pairs, rank, exclude_sink=exclude_sink, edges=edges, query_chunk=chunk
-    )
+    options = dict(exclude_sink=exclude_sink, edges=edges, query_chunk=chunk)
+    means = iso.gram_means(p.walk, p.gates, K2, pairs, rank, **options)
+    assert torch.equal(iso.gram_defect_means(p.walk, p.gates, K2, pairs, rank, **options),
+                       means.defect)  # fmt: skip
+    summary = dict(exclude_sink=exclude_sink, edges=edges)
     for family, (K2_f, K4_f) in enumerate(grams):
         eps = iso.edge_gram_defects(p.gates, K2_f, K4_f, rank, p.walk)
-        expected = iso.walk_weighted_mean(p.walk, eps, exclude_sink=exclude_sink, edges=edges)
-        torch.testing.assert_close(means[family], expected, atol=1e-12, rtol=0)
+        expected = iso.walk_weighted_mean(p.walk, eps, **summary)
+        torch.testing.assert_close(means.defect[family], expected, atol=1e-12, rtol=0)
+        scales = iso.edge_frobenius_scales(p.gates, K2_f, rank, p.walk)
+        expected = iso.walk_weighted_mean(p.walk, scales, **summary)
+        torch.testing.assert_close(means.scale[family], expected, atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("bad", ["overflow", "nan"])
@@ -145,7 +151,7 @@ def test_family_shapes_are_checked():
     p = random_problem()
     K2, K4 = iso.gram_matrices(p.W_V, p.W_O)
     with pytest.raises(ConnWalkError, match="same families"):
-        inspect.unwrap(iso.gram_defect_means)(
+        inspect.unwrap(iso.gram_means)(
             p.walk, p.gates, K2[None], iso.fold_pairs(K4)[None].expand(2, -1, -1), 3
         )
 
