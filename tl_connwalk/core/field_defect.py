@@ -157,9 +157,9 @@ def _chunk_norms_sq(
         g = g.contiguous()
         mixed = rearrange(stacked[:, :keys], "batch key fa c -> (batch key) fa c") @ g
         mixed = rearrange(mixed, "bk (family a) query -> bk family a query", family=families)
-        norm_sq = einsum(mixed, g, "bk family a query, bk a query -> family bk query")
+        norm_sq = mixed.mul_(g[:, None]).sum(2)  # 2x faster than einsum's bmm over (batch key)
         norm_sq = rearrange(
-            norm_sq, "family (batch key) query -> family batch query key", batch=batch
+            norm_sq, "(batch key) family query -> family batch query key", batch=batch
         )
         yield rows, keys, norm_sq.mul_(n_heads**2)
 
