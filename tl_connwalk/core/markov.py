@@ -74,7 +74,12 @@ def is_irreducible(walk: Float[Tensor, "batch query key"]) -> Bool[Tensor, " bat
     >>> is_irreducible(torch.full((1, 3, 3), 1 / 3)), is_irreducible(torch.eye(3)[None])
     (tensor([True]), tensor([False]))
     """
-    edges = (_check_walk(walk) > 0).to(torch.float64)
+    return _is_irreducible(_check_walk(walk))
+
+
+def _is_irreducible(walk64: Tensor) -> Tensor:
+    """`is_irreducible` of a checked float64 walk."""
+    edges = (walk64 > 0).to(torch.float64)
     batch, n_pos, _ = edges.shape
     start = torch.zeros(batch, n_pos, dtype=torch.float64, device=edges.device)
     start[:, 0] = 1.0
@@ -141,14 +146,14 @@ def stationary_distribution(
         alpha = _check_alpha(teleport)
         mu = _solve_stationary(alpha * chain + (1.0 - alpha) / chain.shape[-1])
         return mu.to(working_dtype(walk))
-    return _stationary_or_uniform(walk)[0].to(working_dtype(walk))
+    return _stationary_or_uniform(_check_walk(walk))[0].to(working_dtype(walk))
 
 
-def _stationary_or_uniform(walk: Tensor) -> tuple[Tensor, Tensor]:
-    """float64 ``mu`` (stationary where irreducible, else uniform) and the irreducible flags."""
-    walk64 = _check_walk(walk)
+def _stationary_or_uniform(walk64: Tensor) -> tuple[Tensor, Tensor]:
+    """float64 ``mu`` (stationary where irreducible, else uniform) and the irreducible flags,
+    of a checked float64 walk."""
     n_pos = walk64.shape[-1]
-    irreducible = is_irreducible(walk)
+    irreducible = _is_irreducible(walk64)
     mu = torch.full(walk64.shape[:2], 1.0 / n_pos, dtype=torch.float64, device=walk64.device)
     if irreducible.any():
         mu[irreducible] = _solve_stationary(_row_normalised(walk64[irreducible]))
@@ -206,7 +211,7 @@ def reversibility_residual(
             raise ConnWalkError("mu must be finite, >= 0 and have positive mass in every row.")
         kinds = ["given"] * batch
     elif mu == "stationary":
-        mu64, irreducible = _stationary_or_uniform(walk)
+        mu64, irreducible = _stationary_or_uniform(walk64)
         kinds = ["stationary" if flag else "uniform" for flag in irreducible.tolist()]
     elif mu == "uniform":
         mu64 = torch.full((batch, n_pos), 1.0 / n_pos, dtype=torch.float64, device=walk64.device)
