@@ -174,8 +174,9 @@ def laplacian_residual(
     only a SHA-256 digest of ``W_V``, ``W_O``); the random draws' Grams are computed once per
     head shape and seed and shared by every layer (`core.draws`), each layer rescaling them
     to its head norms; ``O(batch n^2 H^4 / 4)`` per-edge work for the layer and each draw in
-    one pass over the gates; the field defect's messages ``O(batch n H d_head d_model)`` for
-    the layer and each draw. Memory stays at the size of the pattern plus the ``H^2 d_head^2``
+    one pass over the gates; the field defect's message Grams ``O(batch n H d_head d_model)``
+    for the layer and each draw (through the stored output Gram where ``H d_head <= 1024``,
+    `field_defect.message_grams`). Memory stays at the size of the pattern plus the ``H^2 d_head^2``
     Grams and one chunk. What depends on the walk's field (message Grams) and the layer's
     draws is kept with the walk, so another call on it with other options (e.g.
     ``exclude_sink``) costs only the rest.

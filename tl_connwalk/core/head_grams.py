@@ -2,10 +2,12 @@
 
 The head transports ``T^h = W_V^h W_O^h`` give the head Grams ``K2``, the folded ``K4`` and
 the head defects (SPEC 3; `tl_connwalk.core.isometry.gram_matrices`, `isometry.fold_pairs`,
-`isometry.head_transport_defects`). They depend on the weights, not on the tokens: every
-cache of one model (each batch of ``analyze``, each prompt of a study) needs the same ones,
-and for a GPT-2-small layer they cost about as much as that layer's forward pass at 256
-tokens. `head_grams` keeps them in a least-recently-used store of at most `CACHE_BYTES`,
+`isometry.head_transport_defects`) and, for layers with ``H d_head <= OUT_GRAM_WIDTH``, the
+output Gram ``W_O^cat W_O^cat^T`` that spares the field defect its messages
+(`tl_connwalk.core.field_defect.message_grams`). They depend on the weights, not on the
+tokens: every cache of one model (each batch of ``analyze``, each prompt of a study) needs
+the same ones, and for a GPT-2-small layer they cost about as much as that layer's forward
+pass at 256 tokens. `head_grams` keeps them in a least-recently-used store of at most `CACHE_BYTES`,
 keyed by a SHA-256 digest of the weights' bytes (with dtype, shapes and device):
 
 - a copy of the weights hits (a walk holds copies: key-value heads expanded, dtype casts);
