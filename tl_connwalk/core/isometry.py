@@ -213,8 +213,8 @@ def head_factor_grams(
     """``GV[a,b] = W_V^a^T W_V^b`` and ``GO[a,b] = W_O^a W_O^b^T``, both ``[H, H, d_h, d_h]``.
 
     A row ``a`` at a time, each one matrix product with the concatenated factor (``d_h x
-    d_model`` by ``d_model x H d_h``): one ``W_V``-sized layout copy, no full ``H d_h``-square
-    temporary beside the two results.
+    d_model`` by ``d_model x H d_h``), for ``b >= a`` only (``GV[b,a] = GV[a,b]^T``): one
+    ``W_V``-sized layout copy, no full ``H d_h``-square temporary beside the two results.
 
     >>> [g.shape for g in head_factor_grams(torch.randn(3, 8, 2), torch.randn(3, 2, 8))]
     [torch.Size([3, 3, 2, 2]), torch.Size([3, 3, 2, 2])]
@@ -224,12 +224,16 @@ def head_factor_grams(
     values = rearrange(W_V, "head d_model d_head -> d_model (head d_head)")
     gram_v = W_V.new_empty(n_heads, n_heads, d_head, d_head)
     for a in range(n_heads):
-        gram_v[a] = rearrange(W_V[a].mT @ values, "p (b q) -> b p q", b=n_heads)
+        upper = W_V[a].mT @ values[:, a * d_head :]
+        gram_v[a, a:] = rearrange(upper, "p (b q) -> b p q", b=n_heads - a)
+        gram_v[a + 1 :, a] = gram_v[a, a + 1 :].mT
     del values  # before GO: the copy and both Grams are never held at once
     outputs = rearrange(W_O, "head d_head d_model -> (head d_head) d_model")  # a view
     gram_o = torch.empty_like(gram_v)
     for a in range(n_heads):
-        gram_o[a] = rearrange(W_O[a] @ outputs.mT, "p (b q) -> b p q", b=n_heads)
+        upper = W_O[a] @ outputs[a * d_head :].mT
+        gram_o[a, a:] = rearrange(upper, "p (b q) -> b p q", b=n_heads - a)
+        gram_o[a + 1 :, a] = gram_o[a, a + 1 :].mT
     return gram_v, gram_o
 
 
