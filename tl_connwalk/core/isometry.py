@@ -629,11 +629,8 @@ def edge_gram_defects(
     >>> edge_gram_defects(A / A.sum(1, keepdim=True), K2, K4, rank=8).shape
     torch.Size([1, 4, 4])
     """
-    _check_gates(gates, K2.shape[0])
-    _check_rank(rank)
-    _check_chunk(query_chunk)
-    gates, K2, K4 = _cast_gates(gates, K2, K4)
-    return _edge_gram_defects(gates, K2, fold_pairs(K4), rank, walk, edges, query_chunk)
+    pair_gram = fold_pairs(K4.to(working_dtype(gates, K2, K4)))
+    return _edge_gram_defects(gates, K2, pair_gram, rank, walk, edges, query_chunk)
 
 
 def folded_edge_gram_defects(
@@ -654,10 +651,6 @@ def folded_edge_gram_defects(
     >>> folded_edge_gram_defects(A / A.sum(1, keepdim=True), K2, fold_pairs(K4), rank=8).shape
     torch.Size([1, 4, 4])
     """
-    _check_gates(gates, K2.shape[0])
-    _check_rank(rank)
-    _check_chunk(query_chunk)
-    gates, K2, pair_gram = _cast_gates(gates, K2, pair_gram)
     return _edge_gram_defects(gates, K2, pair_gram, rank, walk, edges, query_chunk)
 
 
@@ -670,7 +663,11 @@ def _edge_gram_defects(
     edges: Tensor | None,
     query_chunk: int | None,
 ) -> Tensor:
-    """The work of `edge_gram_defects` on checked, cast inputs and the folded ``K4``."""
+    """`edge_gram_defects` from the folded ``K4``: the checks, the cast and the work."""
+    _check_gates(gates, K2.shape[0])
+    _check_rank(rank)
+    _check_chunk(query_chunk)
+    gates, K2, pair_gram = _cast_gates(gates, K2, pair_gram)
     families = _family_rows(K2[None], pair_gram[None])
     if edges is not None:
         _check_edges(edges, gates)
