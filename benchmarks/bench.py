@@ -335,6 +335,52 @@ def bridge_hook_overhead(n_pos: int, repeats: int) -> dict[str, float]:
     }
 
 
+def kernels(n_pos: int, repeats: int = 9) -> dict[str, float]:
+    """Milliseconds of the per-layer pieces of ``laplacian_residual`` on GPT-2-small heads.
+
+    One causal random layer (12 heads of 64, d_model 768) and two random draws as the other
+    families, as in ``laplacian_residual(baseline_draws=2)``: message Grams of one family by
+    the messages and through the stored output Gram, the per-edge pass of three families
+    (`isometry.gram_means`), the field pass of three families, and the weight-only terms
+    (`isometry.head_factor_grams`, `head_grams.compute_head_grams`). Medians of ``repeats``.
+    """
+    from tl_connwalk.core import field_defect, isometry
+    from tl_connwalk.core import walk as core_walk
+
+    pattern, field, W_V, W_O = layer_operands(n_pos, "gpt2")
+    walk, gates = core_walk.walk_matrix(pattern), core_walk.gates(pattern)
+    families = [head_grams.compute_head_grams(W_V, W_O)]
+    generators = [torch.Generator().manual_seed(d) for d in range(2)]
+    factors = [isometry.gaussian_factors(W_V.shape, W_O.shape, W_V.dtype, W_V.device, generator)
+               for generator in generators]  # fmt: skip
+    families += [head_grams.compute_head_grams(*pair) for pair in factors]
+    K2 = torch.stack([f.K2 for f in families])
+    pair_gram = torch.stack([f.pair_gram for f in families])
+    out_gram = families[0].out_gram
+    grams = torch.stack([field_defect.message_grams(field, W_V, W_O)] * 3)
+    rank = isometry.effective_rank(W_V, W_O)
+
+    def ms(fn: Callable[[], object]) -> float:
+        fn()  # warm up
+        return 1e3 * median_seconds(fn, repeats)
+
+    return {
+        "tokens": n_pos,
+        "message_grams_messages_ms": ms(lambda: field_defect.message_grams(field, W_V, W_O)),
+        "message_grams_out_gram_ms": ms(
+            lambda: field_defect.message_grams(field, W_V, W_O, out_gram=out_gram)
+        ),
+        "gram_means_3_families_ms": ms(
+            lambda: isometry.gram_means(walk, gates, K2, pair_gram, rank)
+        ),
+        "field_pass_3_families_ms": ms(
+            lambda: field_defect.field_isometry_defects(field, walk, gates, grams)
+        ),
+        "head_factor_grams_ms": ms(lambda: isometry.head_factor_grams(W_V, W_O)),
+        "compute_head_grams_ms": ms(lambda: head_grams.compute_head_grams(W_V, W_O)),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -344,6 +390,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.case == "llama8b":
         print(json.dumps(llama8b_layer()))
+        return
+    if args.case == "kernels":
+        print(json.dumps([kernels(n) for n in (256, 1024)]))
         return
     if args.case == "gpt2_all":
         print(json.dumps([all_measurements(n, 2) for n in (256, 1024)]))
