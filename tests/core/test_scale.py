@@ -100,6 +100,10 @@ def test_listed_edges_equal_the_all_edge_path():
     some = problem.walk > problem.walk.median()
     only = iso.edge_gram_defects(problem.gates, K2, K4, 8, problem.walk, edges=some)
     torch.testing.assert_close(only, torch.where(some, every, 0.0), rtol=0, atol=SAME_PATH_ATOL)
+    second = some.clone()
+    second[0] = False  # no edge listed in the first sequence
+    only = iso.edge_gram_defects(problem.gates, K2, K4, 8, problem.walk, edges=second)
+    torch.testing.assert_close(only, torch.where(second, every, 0.0), rtol=0, atol=SAME_PATH_ATOL)
 
 
 def walk_of(problem):

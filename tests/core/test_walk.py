@@ -43,6 +43,17 @@ def test_walk_and_gates_definitions():
     assert_close(g[:, :, 0, 1], torch.full((2, 3), 1 / 3, dtype=torch.float64))
 
 
+def test_gates_with_autograd_are_the_same_values_and_differentiable():
+    pattern, *_ = random_problem()
+    plain = core.gates(pattern)  # the no-autograd path (where ..., out=)
+    tracked = pattern.clone().requires_grad_()
+    g = core.gates(tracked)  # the autograd path (masked_fill_)
+    assert torch.equal(g.detach(), plain)
+    (g[:, 0] ** 2).sum().backward()
+    assert tracked.grad is not None and torch.isfinite(tracked.grad).all()
+    assert tracked.grad.abs().sum() > 0
+
+
 def test_propagate_equals_per_edge_sum_and_attention():
     pattern, field, W_V, W_O, b_V, b_O = random_problem()
     T = dense_edge_transports(pattern, W_V, W_O)
