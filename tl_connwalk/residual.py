@@ -171,7 +171,7 @@ def laplacian_residual(
 
     Cost: ``O(H^3 d_head^3)`` for the layer's Gram tensors, once per set of weights (they
     are kept by content, `tl_connwalk.core.head_grams`: another cache of the same model costs
-    only a SHA-256 digest of ``W_V``, ``W_O``); the random draws' Grams are computed once per
+    only a 128-bit XXH3 digest of ``W_V``, ``W_O``); the random draws' Grams are computed once per
     head shape and seed and shared by every layer (`core.draws`), each layer rescaling them
     to its head norms; ``O(batch n^2 H^4 / 4)`` per-edge work for the layer and each draw in
     one pass over the gates; the field defect's message Grams ``O(batch n H d_head d_model)``
