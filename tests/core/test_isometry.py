@@ -99,6 +99,18 @@ def test_defects_zero_cases_and_conventions():
     assert_close(iso.gram_defect(deficient, 2), torch.tensor(math.sqrt(0.5), dtype=F64))
 
 
+def test_the_overflow_check_passes_finite_values_whose_sum_overflows():
+    """`_ratio_defect` sums before checking element-wise: finite inputs whose float32 sum is
+    Inf still pass, and a single Inf or NaN among them still raises."""
+    big = torch.full((4,), 3e38)
+    assert torch.equal(iso._ratio_defect(big / 2, big), torch.full((4,), math.sqrt(0.5)))
+    for bad in (float("inf"), float("nan")):
+        spread = big / 2
+        spread[1] = bad
+        with pytest.raises(ConnWalkError, match="overflowed"):
+            iso._ratio_defect(spread, big)
+
+
 def test_half_precision_is_computed_in_float32_and_float64_stays():
     sigma = torch.rand(3, 4)
     assert iso.isometry_defect(sigma.to(torch.bfloat16), 4).dtype == torch.float32

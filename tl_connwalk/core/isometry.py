@@ -71,7 +71,11 @@ def _ratio_defect(
     Raises if either is not finite (float overflow: rescale the transports towards norm 1,
     as `tl_connwalk.residual.laplacian_residual` does) rather than let a NaN pass as 0.
     """
-    if not (torch.isfinite(spread).all() and torch.isfinite(size).all()):
+    # a NaN or Inf anywhere makes the sums one: the element-wise check only when they are not
+    finite = bool(torch.isfinite(spread.sum() + size.sum())) or bool(
+        torch.isfinite(spread).all() and torch.isfinite(size).all()
+    )
+    if not finite:
         raise ConnWalkError(
             "a defect overflowed the working precision (transport norms to the fourth power "
             "left the float range); scale W_V, W_O towards norm 1 or use float64 - every defect "

@@ -47,7 +47,8 @@ def _check_walk(walk: Tensor, name: str = "walk", square: bool = True) -> Tensor
             "(pass self-attention patterns, not cross-attention)."
         )
     walk64 = walk.to(torch.float64)
-    if not torch.isfinite(walk64).all():
+    # the sum first: a NaN or Inf anywhere makes it one (element-wise only if it is not finite)
+    if not torch.isfinite(walk64.sum()) and not torch.isfinite(walk64).all():
         raise ConnWalkError(f"{name} has NaN or inf entries (a fully masked row?).")
     if (walk64 < 0).any():
         raise ConnWalkError(f"{name} has negative entries; a walk matrix is >= 0 (SPEC 1).")
