@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from transformer_lens import ActivationCache
 
 import tl_connwalk
 from tl_connwalk.core import draws, head_grams
@@ -127,16 +128,19 @@ class _Peak:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self.start
 
 
-def all_measurements(n_pos: int, baseline_draws: int, device: str = "cpu") -> dict[str, float]:
+def all_measurements(n_pos: int, baseline_draws: int, device: str = "cpu") -> dict[str, object]:
     """Every measurement on every layer of a GPT-2-small-shaped random model vs run_with_cache.
 
     12 layers, d_model 768, 12 heads of 64; batch 1. ``laplacian_residual`` per layer with the
-    given number of baseline draws, plus layer drift. Twice: ``cold`` on a first cache with
+    given number of baseline draws, plus layer drift. ``cold``: once, on a first cache with
     nothing computed before (the random draws and every layer's weight-only head Grams are
-    computed inside the timing), ``warm`` on a cache of other tokens of the same model (what
-    each further prompt or batch costs: the head Grams come from `core.head_grams`' store).
+    computed inside the timing). ``warm``: on a cache of other tokens of the same model (what
+    each further prompt or batch costs: the head Grams come from `core.head_grams`' store), the
+    median of three passes, each right after a ``run_with_cache`` pass of the same tokens; the
+    forward time is the median of those three and of three passes before the cold one.
     Peak memory: growth of the process peak (CPU) or of the allocator's peak (CUDA) over the
-    caches, against the cached patterns.
+    caches during the cold pass and one warm pass (before the interleaved forward passes,
+    whose own caches would count), against the cached patterns.
     """
     where = torch.device(device)
     model = random_bridge("gpt2", n_layers=12, d_model=768, n_heads=12, scale=0.02, n_ctx=n_pos)
@@ -144,34 +148,47 @@ def all_measurements(n_pos: int, baseline_draws: int, device: str = "cpu") -> di
         model = model.to(where)
     tokens = torch.randint(0, VOCAB - 1, (2, 1, n_pos)).to(where)
     names = tl_connwalk.required_hooks(model)
-    with torch.no_grad():
-        times, caches = [], {}
-        for rep in range(4):  # a warm-up pass, then the median of three; one cache per tokens
-            caches.pop(rep % 2, None)
-            _sync(where)
-            start = time.perf_counter()
-            _, caches[rep % 2] = model.run_with_cache(tokens[rep % 2], names_filter=names)
-            _sync(where)
-            times.append(time.perf_counter() - start)
-        forward = statistics.median(times[1:])
-    first, second = caches[0], caches[1]
-    patterns = sum(first[n].numel() * 4 for n in names if n.endswith("hook_pattern"))
-    draws.raw_draws.cache_clear()
-    head_grams.cache_clear()
-    peak = _Peak(where)
-    seconds = {}
-    for name, cache in [("cold", first), ("warm", second)]:
+
+    def timed(fn: Callable[[], object]) -> float:
         _sync(where)
         start = time.perf_counter()
+        fn()
+        _sync(where)
+        return time.perf_counter() - start
+
+    def measure_all(cache: ActivationCache) -> None:
         for layer in range(12):
             tl_connwalk.laplacian_residual(cache, layer, baseline_draws=baseline_draws)
         tl_connwalk.layer_drift(cache)
-        _sync(where)
-        seconds[name] = time.perf_counter() - start
+
+    with torch.no_grad():
+        forward: list[float] = []
+        caches: dict[int, ActivationCache] = {}
+        for rep in range(4):  # a warm-up pass, then three; one cache per tokens
+            caches.pop(rep % 2, None)
+            start = time.perf_counter()
+            _, caches[rep % 2] = model.run_with_cache(tokens[rep % 2], names_filter=names)
+            _sync(where)
+            forward.append(time.perf_counter() - start)
+        del forward[0]
+        first, second = caches[0], caches[1]
+        patterns = sum(first[n].numel() * 4 for n in names if n.endswith("hook_pattern"))
+        draws.raw_draws.cache_clear()
+        head_grams.cache_clear()
+        peak = _Peak(where)
+        cold = timed(lambda: measure_all(first))
+        measure_all(second)  # the peak covers a cold and a warm pass, no further cache
+        peak_bytes = peak.bytes()
+        warm = []
+        for _ in range(3):
+            forward.append(timed(lambda: model.run_with_cache(tokens[1], names_filter=names)))
+            warm.append(timed(lambda: measure_all(second)))
+    reference = statistics.median(forward)
     return {"device": device, "tokens": n_pos, "baseline_draws": baseline_draws,
-            "cold_s": seconds["cold"], "warm_s": seconds["warm"], "run_with_cache_s": forward,
-            "cold_ratio": seconds["cold"] / forward, "warm_ratio": seconds["warm"] / forward,
-            "peak_extra_over_patterns": peak.bytes() / patterns}  # fmt: skip
+            "cold_s": cold, "warm_s": statistics.median(warm), "run_with_cache_s": reference,
+            "cold_ratio": cold / reference, "warm_ratio": statistics.median(warm) / reference,
+            "warm_ratios": [w / reference for w in warm],
+            "peak_extra_over_patterns": peak_bytes / patterns}  # fmt: skip
 
 
 #: (query heads, key-value heads, d_head, d_model) of the layer shapes benchmarked alone
