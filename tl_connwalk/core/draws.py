@@ -80,11 +80,20 @@ def raw_draws(
     for _ in range(n_draws):
         R_V, R_O = isometry.gaussian_factors(v_shape, o_shape, dtype, device, generator)
         draws.append(compute_head_grams(R_V, R_O))  # not stored: this cache holds them
-        if keep:
-            kept.append((R_V, R_O))
+        if keep:  # R_V laid out as W_V^cat [d_model, head d_head], what message Grams multiply
+            kept.append((_values_major(R_V), R_O))
         del R_V, R_O  # before the next draw: one draw's factors alive at a time
     return RawDraws(
         v_shape, o_shape, dtype, device, seed, tuple(draws), tuple(kept) if keep else None
+    )
+
+
+def _values_major(W_V: Tensor) -> Tensor:
+    """``W_V`` ``[head, d_model, d_head]`` over storage laid out as ``W_V^cat = [d_model, head
+    d_head]``: the same values, and `field_defect.message_grams` reads ``W_V^cat`` without a
+    copy (1.4 ms per GPT-2-small call, twice per layer with two draws)."""
+    return (
+        rearrange(W_V, "head d_model d_head -> d_model head d_head").contiguous().permute(1, 0, 2)
     )
 
 
