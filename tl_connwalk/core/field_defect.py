@@ -30,6 +30,7 @@ from tl_connwalk.core.isometry import (
     _edge_weights,
     _query_chunks,
     check_flag,
+    has_negative,
     working_dtype,
 )
 from tl_connwalk.core.moments import Moments
@@ -348,7 +349,7 @@ def head_field_isometry_defects(
     _check_chunk(query_chunk)
     rho = head_message_norm_ratios(field, W_V, W_O, grams=grams)  # [batch, key, head]
     walk_w, gates_w = walk.to(rho), gates.to(rho)
-    if (walk_w < 0).any():
+    if has_negative(walk_w):
         raise ConnWalkError("walk has negative entries; a walk matrix is >= 0 (SPEC 1).")
     n_heads = gates.shape[1]
     # the value rho^h_j depends on the key only, so every walk-weighted sum over edges is a sum

@@ -26,6 +26,7 @@ from tl_connwalk.core.isometry import (
     _check_heads,
     _query_chunks,
     check_flag,
+    has_negative,
     head_gram,
     head_mixed_gram,
     walk_weighted_mean,
@@ -50,7 +51,7 @@ def _check_walk(walk: Tensor, name: str = "walk", square: bool = True) -> Tensor
     # the sum first: a NaN or Inf anywhere makes it one (element-wise only if it is not finite)
     if not torch.isfinite(walk64.sum()) and not torch.isfinite(walk64).all():
         raise ConnWalkError(f"{name} has NaN or inf entries (a fully masked row?).")
-    if (walk64 < 0).any():
+    if has_negative(walk64):
         raise ConnWalkError(f"{name} has negative entries; a walk matrix is >= 0 (SPEC 1).")
     return walk64
 
