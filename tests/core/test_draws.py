@@ -65,6 +65,23 @@ def test_shared_draws_equal_fresh_draws_per_measurement(
     )
 
 
+def test_kept_draws_are_the_seeded_factors_laid_out_for_the_message_grams():
+    """The kept ``R_V`` equal a fresh draw of the seed, over ``[d_model, head d_head]`` storage:
+    `field_defect.message_grams` reshapes it to ``W_V^cat`` without a copy."""
+    draws.raw_draws.cache_clear()
+    p = random_problem(heads=3, pos=6, d_model=10, d_head=3, seed=4)
+    raw = draws.raw_draws(p.W_V.shape, p.W_O.shape, p.W_V.dtype, p.W_V.device, 5, 2)
+    generator = torch.Generator().manual_seed(5)
+    assert raw.kept is not None
+    for R_V, R_O in raw.kept:
+        fresh_V, fresh_O = iso.gaussian_factors(
+            p.W_V.shape, p.W_O.shape, p.W_V.dtype, p.W_V.device, generator
+        )
+        assert torch.equal(R_V, fresh_V) and torch.equal(R_O, fresh_O)
+        values = R_V.permute(1, 0, 2).reshape(R_V.shape[1], -1)
+        assert values.is_contiguous() and values.data_ptr() == R_V.data_ptr()
+
+
 def test_layers_of_one_shape_share_one_set_of_draws():
     """Two layers with other weights (same shapes): one raw draw set, each its own baseline."""
     draws.raw_draws.cache_clear()
