@@ -25,6 +25,7 @@ from tl_connwalk.core.isometry import (
     _check_gates,
     _check_heads,
     _query_chunks,
+    all_finite,
     check_flag,
     has_negative,
     head_gram,
@@ -48,8 +49,7 @@ def _check_walk(walk: Tensor, name: str = "walk", square: bool = True) -> Tensor
             "(pass self-attention patterns, not cross-attention)."
         )
     walk64 = walk.to(torch.float64)
-    # the sum first: a NaN or Inf anywhere makes it one (element-wise only if it is not finite)
-    if not torch.isfinite(walk64.sum()) and not torch.isfinite(walk64).all():
+    if not all_finite(walk64):
         raise ConnWalkError(f"{name} has NaN or inf entries (a fully masked row?).")
     if has_negative(walk64):
         raise ConnWalkError(f"{name} has negative entries; a walk matrix is >= 0 (SPEC 1).")
