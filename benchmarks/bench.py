@@ -245,16 +245,22 @@ def llama8b_layer(n_pos: int = 2048) -> dict[str, float]:
 
 
 def analyze_throughput(
-    n_pos: int = 256, batch: int = 4, n_batches: int = 4, baseline_draws: int = 8, repeats: int = 3
-) -> dict[str, float]:
+    n_pos: int = 256,
+    batch: int = 4,
+    n_batches: int = 4,
+    baseline_draws: int = 8,
+    repeats: int = 3,
+    device: str = "cpu",
+) -> dict[str, object]:
     """``analyze`` over ``n_batches`` batches vs ``run_with_cache`` of the same batches.
 
     Random 4-layer Llama-style ``TransformerBridge`` (d_model 256, 8 heads, 4 KV heads); the
     reference keeps the same hooks (``names_filter=required_hooks(model)``), so the ratio is
     what measuring every layer costs on top of the forward passes analyze makes anyway.
     """
-    model = random_bridge("llama", n_layers=4, d_model=256, n_heads=8, n_ctx=n_pos)
-    tokens = torch.randint(0, VOCAB - 1, (batch * n_batches, n_pos))
+    where = torch.device(device)
+    model = random_bridge("llama", n_layers=4, d_model=256, n_heads=8, n_ctx=n_pos).to(where)
+    tokens = torch.randint(0, VOCAB - 1, (batch * n_batches, n_pos)).to(where)
     names = tl_connwalk.required_hooks(model)
 
     def ours() -> None:
@@ -262,15 +268,17 @@ def analyze_throughput(
         tl_connwalk.analyze(
             model, tokens, batch_size=batch, baseline_draws=baseline_draws, progress=False
         )
+        _sync(where)
 
     def forward() -> None:
         with torch.no_grad():
             for part in tokens.split(batch):
                 model.run_with_cache(part, names_filter=names)
+        _sync(where)
 
     t_ours, t_ref, ratio = interleaved_ratio(ours, forward, repeats)
     n_tokens = tokens.numel()
-    return {"tokens_per_batch": batch * n_pos, "batches": n_batches,
+    return {"device": device, "tokens_per_batch": batch * n_pos, "batches": n_batches,
             "baseline_draws": baseline_draws, "analyze_tokens_per_s": n_tokens / t_ours,
             "forward_tokens_per_s": n_tokens / t_ref, "ratio": ratio}  # fmt: skip
 
@@ -431,11 +439,6 @@ def main() -> None:
         return
     if args.case == "analyze_dp":
         print(json.dumps(analyze_data_parallel()))
-        return
-    if args.case == "gpu":  # the figures issue 8 asks of a GPU machine, in one command
-        gpu = [all_measurements(n, 2, "cuda") for n in (256, 1024, 4096)]
-        gpu.append(layer_residual(2048, "llama8b", device="cuda"))
-        print(json.dumps(gpu, indent=2))
         return
     results: dict[str, object] = {"threads": args.threads, "torch": torch.__version__}
     sizes = [256, 1024] if args.quick else [256, 1024, 4096]

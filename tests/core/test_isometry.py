@@ -221,6 +221,26 @@ def test_edge_gram_defects_match_per_edge_svd(heads, causal, monkeypatch):
     )
 
 
+def test_edge_blocks_split_the_edges_without_changing_them(monkeypatch):
+    pattern, _, W_V, W_O = random_problem(heads=4, causal=True, seed=7)
+    K2, K4 = iso.gram_matrices(W_V, W_O)
+    rows = iso._family_rows(torch.stack([K2, 2 * K2]), torch.stack([iso.fold_pairs(K4)] * 2))
+    listed = split_gates(pattern)[0].flatten(1)  # [head, edge]
+    whole = iso._family_gram_defects(listed, rows, rank=8)
+    monkeypatch.setattr(iso, "EDGE_BLOCK", 4)  # several blocks, the last one partial
+    assert listed.shape[1] % 4 != 0
+    for got, expected in zip(iso._family_gram_defects(listed, rows, rank=8), whole, strict=True):
+        assert_close(got, expected)
+    # accelerators: blocks as wide as DEVICE_BLOCK_ENTRIES products allow, never narrower
+    cuda = torch.device("cuda")
+    assert iso._edge_block(torch.device("cpu"), rows) == 4
+    width = iso._edge_block(cuda, rows)
+    assert width == iso.DEVICE_BLOCK_ENTRIES // ((1 + rows.padded) * rows.families) > 4
+    assert (1 + rows.padded) * rows.families * width <= iso.DEVICE_BLOCK_ENTRIES
+    monkeypatch.setattr(iso, "DEVICE_BLOCK_ENTRIES", 1)
+    assert iso._edge_block(cuda, rows) == 4
+
+
 def test_edge_gram_defects_zero_for_scaled_orthogonal_transport():
     W_V, W_O = scaled_orthogonal_heads(heads=3, d_head=4, scale=0.3)
     pattern, *_ = random_problem(heads=3, causal=True)

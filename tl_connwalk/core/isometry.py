@@ -31,8 +31,11 @@ from tl_connwalk.errors import ConnWalkError
 
 #: Working-memory budget (entries) of the chunked contractions below.
 CHUNK_ENTRIES = 2**24
-#: Edges per block of the per-edge Gram work: its temporaries stay in the CPU's cache.
+#: Edges per block of the per-edge Gram work on the CPU: its temporaries stay in cache.
 EDGE_BLOCK = 4096
+#: Numbers in one block's products on other devices (CUDA), where a block costs kernel
+#: launches rather than cache misses (`_edge_block`).
+DEVICE_BLOCK_ENTRIES = 2**26
 
 
 def working_dtype(*tensors: Tensor) -> torch.dtype:
@@ -478,12 +481,22 @@ def _family_rows(K2: Tensor, pair_gram: Tensor) -> _FamilyRows:
     return _FamilyRows(tuple(block.contiguous() for block in blocks), families, padded)
 
 
+def _edge_block(device: torch.device, rows: _FamilyRows) -> int:
+    """Edges per block of `_family_gram_defects`: ``EDGE_BLOCK`` on the CPU; elsewhere as many
+    as fill ``DEVICE_BLOCK_ENTRIES`` numbers of products (``1 + padded`` per family and edge;
+    GPT-2 small with two draws: 276k edges, 256 MiB in float32), at least ``EDGE_BLOCK``.
+    """
+    if device.type == "cpu":
+        return EDGE_BLOCK
+    return max(EDGE_BLOCK, DEVICE_BLOCK_ENTRIES // ((1 + rows.padded) * rows.families))
+
+
 def _family_gram_defects(g: Tensor, rows: _FamilyRows, rank: int) -> tuple[Tensor, Tensor]:
     """``eps`` and ``sum sigma^2`` of the edges with gates ``g`` ``[head, edge]``, per family:
     two ``[family, edge]``.
 
     The families (`_family_rows`: a layer and its random draws, say) share the gates, so each
-    block of ``EDGE_BLOCK`` edges is read once and multiplied by every family's Grams at once::
+    block of edges (`_edge_block`) is read once and multiplied by every family's Grams at once::
 
         sum sigma^2 = H^2 g^T K2[f] g,    sum sigma^4 = H^4 u^T fold(K4[f]) u,  u_{ac} = g^a g^c
 
@@ -493,12 +506,13 @@ def _family_gram_defects(g: Tensor, rows: _FamilyRows, rank: int) -> tuple[Tenso
     n_heads, n_edges = g.shape
     families, padded = rows.families, rows.padded
     sigma4, sigma2 = g.new_empty(families, n_edges), g.new_empty(families, n_edges)
-    width = min(EDGE_BLOCK, n_edges)
+    step = _edge_block(g.device, rows)
+    width = min(step, n_edges)
     pairs = g.new_zeros(padded, width)  # the padding rows stay 0
     # slot 0: g^T K2 g; slot 1 + p: (S u)_p, each [family, edge]; one buffer for every block
     products = g.new_empty((1 + padded) * families * width)
-    for start in range(0, n_edges, EDGE_BLOCK):
-        block = g[:, start : start + EDGE_BLOCK]
+    for start in range(0, n_edges, step):
+        block = g[:, start : start + step]
         size = block.shape[1]
         u = pairs[:, :size]
         at = 0

@@ -1,0 +1,120 @@
+"""The GPU machine's run in one command: the CUDA tests, then the scale figures on CUDA.
+
+Run on a machine with a CUDA device: ``python benchmarks/gpu.py --out DIR``. Steps, each
+written as one JSON line to ``DIR/gpu.jsonl`` as soon as it ends (a run cut short keeps what
+it finished), then a summary:
+
+1. ``environment``: torch, TransformerLens, the device.
+2. ``tests``: ``pytest tests/test_cuda.py`` (walks exact on CUDA, every measurement equal to
+   the CPU's, the baselines against the slow reference on CUDA).
+3. ``edge_blocks``: one GPT-2-small-shaped layer at 4096 tokens, ``laplacian_residual`` with
+   the per-edge work in blocks of each width (`isometry._edge_block`; 4096 is the CPU's), the
+   median of three timed runs after one untimed, and the largest difference from the default.
+4. ``gpt2_all``: `bench.all_measurements` on CUDA at 256, 1024 and 4096 tokens.
+5. ``layer``: one Llama-3-8B-shaped layer at 2048 tokens, a GPT-2-small-shaped one at 8192.
+6. ``analyze``: `bench.analyze_throughput` on CUDA.
+7. one Llama-3-8B-shaped layer at 8192 tokens (last: the largest).
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import bench
+
+import tl_connwalk
+from tl_connwalk.core import isometry
+
+ROOT = Path(__file__).parent.parent
+
+
+def environment() -> dict[str, object]:
+    import transformer_lens
+
+    return {"torch": torch.__version__, "transformer_lens": transformer_lens.__version__,
+            "device": torch.cuda.get_device_name(), "cuda": torch.version.cuda,
+            "tf32_matmul": torch.backends.cuda.matmul.allow_tf32}  # fmt: skip
+
+
+def cuda_tests() -> dict[str, object]:
+    """``tests/test_cuda.py``; warnings of this machine's other package versions stay warnings."""
+    run = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "default",
+           "tests/test_cuda.py"]  # fmt: skip
+    start = time.perf_counter()
+    done = subprocess.run(run, cwd=ROOT, capture_output=True, text=True)
+    print(done.stdout[-4000:], done.stderr[-2000:], flush=True)
+    return {"returncode": done.returncode, "summary": done.stdout.strip().splitlines()[-1:],
+            "seconds": time.perf_counter() - start}  # fmt: skip
+
+
+def edge_blocks(n_pos: int = 4096) -> list[dict[str, object]]:
+    """``laplacian_residual`` of one GPT-2-small-shaped layer, per-edge blocks of each width."""
+    cuda = torch.device("cuda")
+    walk = tl_connwalk.ConnectionWalk.from_pattern(
+        *(t.to(cuda) for t in bench.layer_operands(n_pos, "gpt2"))
+    )
+    default = isometry.DEVICE_BLOCK_ENTRIES
+    results, reference = [], None
+    for entries in (default, 1, 2**22, 2**24, 2**28):  # 1: the CPU's EDGE_BLOCK
+        isometry.DEVICE_BLOCK_ENTRIES = entries
+        times = []
+        for _ in range(4):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            res = walk.laplacian_residual(baseline_draws=2)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        values = torch.tensor([res.transport_defect.item(), res.scale.item()], dtype=torch.float64)
+        reference = values if reference is None else reference
+        # GPT-2 small, two draws: 3 families of 1 + 80 padded head pairs (`_FamilyRows`)
+        results.append({"entries": entries,
+            "edges_per_block": max(isometry.EDGE_BLOCK, entries // (81 * 3)),
+            "seconds": statistics.median(times[1:]),
+            "max_rel_diff": ((values - reference).abs() / reference.abs()).max().item(),
+        })  # fmt: skip
+        print(results[-1], flush=True)
+    isometry.DEVICE_BLOCK_ENTRIES = default
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/gpu.py needs a CUDA device; this machine has none.")
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = args.out / "gpu.jsonl"
+
+    def step(name: str, fn, *fn_args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
+        try:
+            result = fn(*fn_args, **kwargs)
+        except Exception as error:
+            result = {"error": f"{type(error).__name__}: {error}"}
+        line = {"step": name, "wall_s": time.perf_counter() - start, "result": result}
+        with log.open("a") as file:
+            file.write(json.dumps(line) + "\n")
+        print(json.dumps(line), flush=True)
+
+    step("environment", environment)
+    step("tests", cuda_tests)
+    step("edge_blocks", edge_blocks)
+    for n_pos in (256, 1024, 4096):
+        step(f"gpt2_all_{n_pos}", bench.all_measurements, n_pos, 2, "cuda")
+    step("llama8b_layer_2048", bench.layer_residual, 2048, "llama8b", device="cuda")
+    step("gpt2_layer_8192", bench.layer_residual, 8192, "gpt2", device="cuda")
+    step("analyze", bench.analyze_throughput, device="cuda")
+    step("llama8b_layer_8192", bench.layer_residual, 8192, "llama8b", device="cuda")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""The library on a CUDA device: the walk is exact there and every measurement equals the CPU's.
+
+Skipped where there is no CUDA device (CI has none); ``benchmarks/gpu.py`` runs this module
+on a GPU machine before its timings. Tolerances: the walk identity as everywhere
+(`tests.tolerances`, float32 2e-6 of the largest entry); CPU against CUDA, where both sides
+sum in other orders (cuBLAS against the CPU's BLAS), 1e-4 relative plus 1e-6 absolute per
+value (defects lie in [0, 1]). The baselines are not compared across devices: each device
+draws from its own generator (`torch.Generator(device=...)`), so they are checked on CUDA
+against the slow per-measurement reference instead (`tests.core.test_draws`).
+"""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import tl_connwalk
+from tests.architectures import ARCHITECTURES, HAS_HOOKED, bridge_tokens, build, tokens
+from tests.core.problems import Problem, random_problem
+from tests.core.test_draws import ATOL, reference_baselines, residual_of
+from tests.tolerances import assert_close
+from tl_connwalk.core import draws
+from tl_connwalk.report.measure import output_hook
+from tl_connwalk.toy import random_bridge
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="no CUDA device here: run on a GPU machine (benchmarks/gpu.py runs this first)",
+)
+
+CUDA = torch.device("cuda")
+FIELDS = dataclasses.fields(Problem)
+CASES = [("hooked", name) for name in ARCHITECTURES if HAS_HOOKED] + [
+    ("bridge", arch) for arch in ("gpt2", "llama", "gemma3", "bert")
+]
+
+
+def _numbers(value: object, path: str = "") -> dict[str, float]:
+    """Every float in a ``to_dict()`` tree, keyed by its path."""
+    if isinstance(value, dict):
+        items = [(f"{path}.{key}", sub) for key, sub in value.items()]
+    elif isinstance(value, list):
+        items = [(f"{path}[{i}]", sub) for i, sub in enumerate(value)]
+    else:
+        items = []
+    if items:
+        return {k: v for where, sub in items for k, v in _numbers(sub, where).items()}
+    if isinstance(value, float) and not isinstance(value, bool):
+        return {path: value}
+    return {}
+
+
+def _close(cpu: dict[str, float], cuda: dict[str, float]) -> list[str]:
+    assert cpu.keys() == cuda.keys()
+    return [
+        f"{key}: cpu {cpu[key]!r} cuda {cuda[key]!r}"
+        for key in cpu
+        if not math.isclose(cpu[key], cuda[key], rel_tol=1e-4, abs_tol=1e-6)
+    ]
+
+
+@pytest.mark.parametrize(("kind", "name"), CASES)
+def test_walks_and_measurements_on_cuda_equal_the_cpu(kind, name):
+    model = build(name) if kind == "hooked" else random_bridge(name)  # type: ignore[arg-type]
+    toks = tokens() if kind == "hooked" else bridge_tokens()
+    with torch.no_grad():
+        _, on_cpu = model.run_with_cache(toks)
+        model.to(CUDA)
+        _, on_cuda = model.run_with_cache(toks.to(CUDA))
+    for layer in range(model.cfg.n_layers):
+        walk = tl_connwalk.connection_walk(on_cuda, layer)
+        for tensor in (walk.walk, walk.gates, walk.field, walk.W_V, walk.W_O):
+            assert tensor.device.type == CUDA.type
+        hook = output_hook(model, layer)
+        if hook is not None:  # exact on the device: the walk gives TransformerLens's output
+            assert_close(walk.apply() + walk.bias(), on_cuda[hook])
+        res_cpu = tl_connwalk.laplacian_residual(on_cpu, layer, baseline_draws=2).to_dict()
+        res_cuda = tl_connwalk.laplacian_residual(on_cuda, layer, baseline_draws=2).to_dict()
+        del res_cpu["baseline"], res_cuda["baseline"]
+        assert res_cpu["processing"] == res_cuda["processing"]
+        assert not _close(_numbers(res_cpu), _numbers(res_cuda)), (name, layer)
+    drift_cpu = tl_connwalk.layer_drift(on_cpu)
+    assert_close(tl_connwalk.layer_drift(on_cuda).cpu(), drift_cpu)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("exclude_sink", [False, True])
+def test_baselines_on_cuda_equal_fresh_draws_per_measurement(dtype, exclude_sink):
+    draws.raw_draws.cache_clear()
+    p = random_problem(heads=3, pos=6, d_model=10, d_head=3, seed=4, causal=True, dtype=dtype)
+    p = dataclasses.replace(p, **{f.name: getattr(p, f.name).to(CUDA) for f in FIELDS})
+    res = residual_of(p, baseline_draws=3, seed=11, exclude_sink=exclude_sink)
+    for name, base in reference_baselines(p, 3, 11, exclude_sink).items():
+        assert res.baseline[name].draws.device.type == CUDA.type
+        torch.testing.assert_close(
+            res.baseline[name].draws, base.draws, atol=ATOL[dtype], rtol=0, msg=name
+        )
+
+
+def test_wide_edge_blocks_on_cuda_equal_the_cpu():
+    """A GPT-2-small-shaped layer at 512 tokens: on CUDA the per-edge work runs in blocks of
+    ~276k edges (`isometry._edge_block`), on the CPU in blocks of 4096."""
+    from benchmarks.bench import layer_operands
+
+    operands = layer_operands(512, "gpt2")
+    on_cpu = tl_connwalk.ConnectionWalk.from_pattern(*operands).laplacian_residual()
+    walk = tl_connwalk.ConnectionWalk.from_pattern(*(t.to(CUDA) for t in operands))
+    on_cuda = walk.laplacian_residual()
+    cpu, cuda = on_cpu.to_dict(), on_cuda.to_dict()
+    del cpu["baseline"], cuda["baseline"]
+    assert not _close(_numbers(cpu), _numbers(cuda))
