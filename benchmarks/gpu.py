@@ -13,11 +13,15 @@ it finished), then a summary:
 4. ``gpt2_all``: `bench.all_measurements` on CUDA at 256, 1024 and 4096 tokens.
 5. ``layer``: one Llama-3-8B-shaped layer at 2048 tokens, a GPT-2-small-shaped one at 8192.
 6. ``analyze``: `bench.analyze_throughput` on CUDA.
-7. one Llama-3-8B-shaped layer at 8192 tokens (last: the largest).
+7. one Llama-3-8B-shaped layer at 8192 tokens (the largest).
+8. ``profile``: where a warm pass's time goes at 256 and 4096 tokens (`profile`).
 """
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import subprocess
 import sys
@@ -32,6 +36,7 @@ import bench
 
 import tl_connwalk
 from tl_connwalk.core import isometry
+from tl_connwalk.toy import VOCAB, random_bridge
 
 ROOT = Path(__file__).parent.parent
 
@@ -85,6 +90,44 @@ def edge_blocks(n_pos: int = 4096) -> list[dict[str, object]]:
     return results
 
 
+def profile(n_pos: int, out: Path) -> dict[str, object]:
+    """One warm pass of `bench.all_measurements`' work on CUDA under cProfile (where the host's
+    time goes: launches, synchronisations) and under ``torch.profiler`` (the device's time by
+    operator); both tables go to ``out/profile_{n_pos}.txt``."""
+    cuda = torch.device("cuda")
+    model = random_bridge("gpt2", n_layers=12, d_model=768, n_heads=12, scale=0.02, n_ctx=n_pos)
+    model = model.to(cuda)
+    tokens = torch.randint(0, VOCAB - 1, (1, n_pos)).to(cuda)
+    names = tl_connwalk.required_hooks(model)
+
+    def measure_all(cache: object) -> None:
+        for layer in range(12):
+            tl_connwalk.laplacian_residual(cache, layer, baseline_draws=2)
+        tl_connwalk.layer_drift(cache)
+        torch.cuda.synchronize()
+
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens, names_filter=names)
+        measure_all(cache)  # draws and head Grams: the profiled pass is a warm one
+        host = cProfile.Profile()
+        start = time.perf_counter()
+        host.runcall(measure_all, cache)
+        host_s = time.perf_counter() - start
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as device:
+            measure_all(cache)
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(30)
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(25)
+    events = device.key_averages()
+    on_device = [e for e in events if getattr(e, "self_device_time_total", 0) > 0]
+    busy_us = sum(e.self_device_time_total for e in on_device)
+    text.write(events.table(sort_by="self_device_time_total", row_limit=30))
+    (out / f"profile_{n_pos}.txt").write_text(text.getvalue())
+    return {"tokens": n_pos, "wall_s_under_cprofile": host_s, "device_busy_s": busy_us / 1e6,
+            "launches": sum(e.count for e in on_device)}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -114,6 +157,8 @@ def main() -> None:
     step("gpt2_layer_8192", bench.layer_residual, 8192, "gpt2", device="cuda")
     step("analyze", bench.analyze_throughput, device="cuda")
     step("llama8b_layer_8192", bench.layer_residual, 8192, "llama8b", device="cuda")
+    for n_pos in (256, 4096):
+        step(f"profile_{n_pos}", profile, n_pos, args.out)
 
 
 if __name__ == "__main__":
