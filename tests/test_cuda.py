@@ -62,15 +62,15 @@ def _close(cpu: dict[str, float], cuda: dict[str, float]) -> list[str]:
 
 @pytest.mark.parametrize(("kind", "name"), CASES)
 def test_walks_and_measurements_on_cuda_equal_the_cpu(kind, name):
-    def seeded_model():  # type: ignore[no-untyped-def]
-        return build(name) if kind == "hooked" else random_bridge(name)  # type: ignore[arg-type]
-
-    # two models of the same seed, one moved to CUDA before its first forward pass (a Bridge
-    # run on the CPU and then moved fed its embedding a CPU index on the GPU machine)
-    model = seeded_model().to(CUDA)
-    toks = tokens() if kind == "hooked" else bridge_tokens()
+    if kind == "hooked":
+        model, on_cpu_model = build(name).to(CUDA), build(name)
+        toks = tokens()
+    else:  # random_bridge puts a model on the CPU unless asked (TransformerLens picks a GPU)
+        model, on_cpu_model = random_bridge(name, device=CUDA), random_bridge(name)  # type: ignore[arg-type]
+        toks = bridge_tokens()
+    assert next(on_cpu_model.parameters()).device.type == "cpu"
     with torch.no_grad():
-        _, on_cpu = seeded_model().run_with_cache(toks)
+        _, on_cpu = on_cpu_model.run_with_cache(toks)
         _, on_cuda = model.run_with_cache(toks.to(CUDA))
     for layer in range(model.cfg.n_layers):
         walk = tl_connwalk.connection_walk(on_cuda, layer)

@@ -70,13 +70,16 @@ def random_bridge(
     scale: float = 0.2,
     compatibility_mode: bool = False,
     n_ctx: int = 64,
+    device: str | torch.device = "cpu",
 ) -> TransformerBridge:
     """A random ``TransformerBridge`` of architecture ``arch`` (vocabulary of 64 tokens).
 
     ``gpt2``: LayerNorm, learned positions, biases. ``llama``: RMSNorm, rotary, grouped-query
     (``n_heads // 2`` KV heads), no biases. ``gemma3``: one KV head, QK-norm, ``ln1_post``,
     sliding window of 4 on some layers. ``bert``: bidirectional post-norm encoder. ``n_ctx``:
-    the longest sequence (learned positions).
+    the longest sequence (learned positions). ``device``: where the model is put (the CPU
+    unless asked: TransformerLens alone would pick a GPU where there is one). Weights are drawn
+    on the CPU, so a seed gives the same model on every device.
     """
     if arch not in get_args(Architecture):
         raise ConnWalkError(
@@ -102,6 +105,7 @@ def random_bridge(
                 folder,
                 tokenizer=transformers.AutoTokenizer.from_pretrained(folder),
                 model_class=type(model),
+                device=device,
             )
             if compatibility_mode:
                 bridge.enable_compatibility_mode()
