@@ -110,9 +110,9 @@ ARCHITECTURES: dict[str, tuple[dict, dict | None]] = {
 
 
 def build(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
-    """A tiny random model of architecture ``name`` (see ARCHITECTURES)."""
+    """A tiny random model of architecture ``name`` (see ARCHITECTURES), on the CPU."""
     overrides, processing = ARCHITECTURES[name]
-    cfg = HookedTransformerConfig(**{**BASE, **overrides, "seed": seed})
+    cfg = HookedTransformerConfig(**{**BASE, **overrides, "seed": seed, "device": "cpu"})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         model = HookedTransformer(cfg)
