@@ -143,9 +143,9 @@ def all_measurements(n_pos: int, baseline_draws: int, device: str = "cpu") -> di
     whose own caches would count), against the cached patterns.
     """
     where = torch.device(device)
-    model = random_bridge("gpt2", n_layers=12, d_model=768, n_heads=12, scale=0.02, n_ctx=n_pos)
-    if where.type != "cpu":
-        model = model.to(where)
+    model = random_bridge(
+        "gpt2", n_layers=12, d_model=768, n_heads=12, scale=0.02, n_ctx=n_pos, device=where
+    )
     tokens = torch.randint(0, VOCAB - 1, (2, 1, n_pos)).to(where)
     names = tl_connwalk.required_hooks(model)
 
@@ -259,7 +259,7 @@ def analyze_throughput(
     what measuring every layer costs on top of the forward passes analyze makes anyway.
     """
     where = torch.device(device)
-    model = random_bridge("llama", n_layers=4, d_model=256, n_heads=8, n_ctx=n_pos).to(where)
+    model = random_bridge("llama", n_layers=4, d_model=256, n_heads=8, n_ctx=n_pos, device=where)
     tokens = torch.randint(0, VOCAB - 1, (batch * n_batches, n_pos)).to(where)
     names = tl_connwalk.required_hooks(model)
 

@@ -95,8 +95,9 @@ def profile(n_pos: int, out: Path) -> dict[str, object]:
     time goes: launches, synchronisations) and under ``torch.profiler`` (the device's time by
     operator); both tables go to ``out/profile_{n_pos}.txt``."""
     cuda = torch.device("cuda")
-    model = random_bridge("gpt2", n_layers=12, d_model=768, n_heads=12, scale=0.02, n_ctx=n_pos)
-    model = model.to(cuda)
+    model = random_bridge(
+        "gpt2", n_layers=12, d_model=768, n_heads=12, scale=0.02, n_ctx=n_pos, device=cuda
+    )
     tokens = torch.randint(0, VOCAB - 1, (1, n_pos)).to(cuda)
     names = tl_connwalk.required_hooks(model)
 
