@@ -16,7 +16,14 @@ import pytest
 import torch
 
 import tl_connwalk
-from tests.architectures import ARCHITECTURES, HAS_HOOKED, bridge_tokens, build, tokens
+from tests.architectures import (
+    ARCHITECTURES,
+    HAS_HOOKED,
+    bridge_tokens,
+    build,
+    hooked_only,
+    tokens,
+)
 from tests.core.problems import Problem, random_problem
 from tests.core.test_draws import ATOL, reference_baselines, residual_of
 from tests.tolerances import assert_close
@@ -114,3 +121,31 @@ def test_wide_edge_blocks_on_cuda_equal_the_cpu():
     cpu, cuda = on_cpu.to_dict(), on_cuda.to_dict()
     del cpu["baseline"], cuda["baseline"]
     assert not _close(_numbers(cpu), _numbers(cuda))
+
+
+@hooked_only
+def test_a_model_split_over_cuda_and_the_cpu_measures_each_layer_on_its_device():
+    """Block 1 and its cache entries on CUDA, block 0 on the CPU, as in a model split over two
+    devices: each layer's walk and measurements run on that layer's device and equal the
+    all-CPU numbers; the drift between the two layers and the table cross the devices.
+    (`tests/test_devices.py` proves the walks' placement with ``meta``, which cannot answer
+    the measurements' data-dependent decisions.)"""
+    model = build("llama_gqa_rotary")
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens())
+    expected = [tl_connwalk.laplacian_residual(cache, layer).to_dict() for layer in (0, 1)]
+    drift, table = tl_connwalk.layer_drift(cache), tl_connwalk.geometry_table(cache)
+    model.blocks[1].to(CUDA)
+    for name in tl_connwalk.required_hooks(model, 1):
+        cache.cache_dict[name] = cache.cache_dict[name].to(CUDA)
+    for layer, device in ((0, "cpu"), (1, "cuda")):
+        walk = tl_connwalk.connection_walk(cache, layer)
+        assert walk.walk.device.type == walk.W_V.device.type == device
+        res = tl_connwalk.laplacian_residual(cache, layer)
+        assert res.transport_defect.device.type == device
+        got, want = res.to_dict(), dict(expected[layer])
+        del got["baseline"], want["baseline"]  # drawn by each device's own generator
+        assert not _close(_numbers(want), _numbers(got)), layer
+    assert_close(tl_connwalk.layer_drift(cache).cpu(), drift)
+    split = tl_connwalk.geometry_table(cache)
+    assert split.shape == table.shape and list(split.columns) == list(table.columns)
