@@ -396,7 +396,7 @@ def kernels(n_pos: int, repeats: int = 9) -> dict[str, float]:
     families += [head_grams.compute_head_grams(*pair) for pair in factors]
     K2 = torch.stack([f.K2 for f in families])
     pair_gram = torch.stack([f.pair_gram for f in families])
-    out_gram = families[0].out_gram
+    out_rows = families[0].out_rows
     grams = torch.stack([field_defect.message_grams(field, W_V, W_O)] * 3)
     rank = isometry.effective_rank(W_V, W_O)
 
@@ -407,8 +407,8 @@ def kernels(n_pos: int, repeats: int = 9) -> dict[str, float]:
     return {
         "tokens": n_pos,
         "message_grams_messages_ms": ms(lambda: field_defect.message_grams(field, W_V, W_O)),
-        "message_grams_out_gram_ms": ms(
-            lambda: field_defect.message_grams(field, W_V, W_O, out_gram=out_gram)
+        "message_grams_out_rows_ms": ms(
+            lambda: field_defect.message_grams(field, W_V, W_O, out_rows=out_rows)
         ),
         "gram_means_3_families_ms": ms(
             lambda: isometry.gram_means(walk, gates, K2, pair_gram, rank)

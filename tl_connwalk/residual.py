@@ -326,7 +326,7 @@ class _LayerTerms:
     @functools.cached_property
     def message_grams(self) -> Tensor:
         return field_defect.message_grams(
-            self.field, self.W_V, self.W_O, out_gram=self.heads.out_gram
+            self.field, self.W_V, self.W_O, out_rows=self.heads.out_rows
         )
 
     def layer_draws(self, n_draws: int, seed: int) -> draws.LayerDraws:

@@ -59,10 +59,10 @@ def test_message_grams_through_the_output_gram_equal_the_messages(
     field, W_V, W_O = field.to(dtype), W_V.to(dtype), W_O.to(dtype)
     messages = torch.einsum("bjd,hde,hef->bjhf", field, W_V, W_O)
     expected = torch.einsum("bjaf,bjcf->bjac", messages, messages)
-    out_gram = W_O.flatten(0, 1) @ W_O.flatten(0, 1).T
-    assert_close(fd.message_grams(field, W_V, W_O, out_gram=out_gram), expected)
+    out_rows = fd.output_gram_rows(torch.einsum("apd,bqd->abpq", W_O, W_O))
+    assert_close(fd.message_grams(field, W_V, W_O, out_rows=out_rows), expected)
     monkeypatch.setattr(fd, "_query_chunks", lambda n, per, chunk=None: _slices(n, 3))
-    blocked = fd.message_grams(field, W_V, W_O, out_gram=out_gram)
+    blocked = fd.message_grams(field, W_V, W_O, out_rows=out_rows)
     assert_close(blocked, expected)
     assert torch.equal(blocked, blocked.mT)  # filled from the upper triangle
 
@@ -71,10 +71,11 @@ def _slices(n, step):
     return [slice(start, start + step) for start in range(0, n, step)]
 
 
-def test_message_grams_reject_an_output_gram_of_other_heads():
-    _, field, W_V, W_O = random_problem(heads=3)
-    with pytest.raises(ConnWalkError, match=r"out_gram \(6, 6\) must be \[H d_head, H d_head\]"):
-        fd.message_grams(field, W_V, W_O, out_gram=torch.eye(6, dtype=F64))
+def test_message_grams_reject_output_gram_rows_of_other_heads():
+    _, field, W_V, W_O = random_problem(heads=3)  # 3 heads of 3: 54 numbers
+    two_heads = fd.output_gram_rows(torch.einsum("apd,bqd->abpq", W_O[:2], W_O[:2]))
+    with pytest.raises(ConnWalkError, match=r"out_rows \(27,\) must be \[54\]"):
+        fd.message_grams(field, W_V, W_O, out_rows=two_heads)
 
 
 def test_message_grams_and_head_ratios():

@@ -35,18 +35,22 @@ def test_terms_are_the_gram_tensors_and_head_defects(dtype):
     assert terms.K2.dtype == terms.pair_gram.dtype == dtype
 
 
-def test_the_output_gram_is_kept_for_narrow_layers_only(monkeypatch):
+def test_the_output_gram_rows_are_kept_for_narrow_layers_only(monkeypatch):
     p = random_problem(heads=4, d_model=10, d_head=3, seed=4)
     terms = head_grams.head_grams(p.W_V, p.W_O)
     outputs = p.W_O.flatten(0, 1)  # W_O^cat, [H d_head, d_model]
-    torch.testing.assert_close(terms.out_gram, outputs @ outputs.T)
+    gram = outputs @ outputs.T
+    # row block a: the blocks W_O^a W_O^b^T for b >= a, as [d_head, (H - a) d_head]
+    upper_rows = torch.cat([gram[3 * a : 3 * a + 3, 3 * a :].reshape(-1) for a in range(4)])
+    torch.testing.assert_close(terms.out_rows, upper_rows)
+    assert terms.out_rows.numel() == 3 * 3 * 4 * 5 // 2 < gram.numel()
     assert terms.nbytes == sum(t.nbytes for t in (terms.norms_sq, terms.K2, terms.pair_gram,
-                                                  terms.head_defects, terms.out_gram))  # fmt: skip
+                                                  terms.head_defects, terms.out_rows))  # fmt: skip
     monkeypatch.setattr(head_grams, "OUT_GRAM_WIDTH", 11)  # H d_head = 12 is wider
     wide = head_grams.compute_head_grams(p.W_V, p.W_O)
-    assert wide.out_gram is None
+    assert wide.out_rows is None
     assert torch.equal(wide.pair_gram, terms.pair_gram)
-    assert wide.nbytes == terms.nbytes - terms.out_gram.nbytes
+    assert wide.nbytes == terms.nbytes - terms.out_rows.nbytes
 
 
 def test_equal_weights_hit_and_any_changed_value_misses():
@@ -70,7 +74,7 @@ def test_a_hit_returns_what_computing_again_returns():
     stored = head_grams.head_grams(p.W_V, p.W_O)
     head_grams.head_grams(p.W_V, p.W_O)
     again = head_grams.compute_head_grams(p.W_V, p.W_O)
-    for name in ("norms_sq", "K2", "pair_gram", "head_defects", "out_gram"):
+    for name in ("norms_sq", "K2", "pair_gram", "head_defects", "out_rows"):
         assert torch.equal(getattr(stored, name), getattr(again, name)), name
 
 

@@ -121,6 +121,9 @@ def test_dense_generator_agrees_with_matvec(case, seed):
     dense = L.to_dense()
     via_dense = einsum(probe.flatten(1), dense, "b i, b i o -> b o").reshape(probe.shape)
     expected = L.matvec(probe)
-    torch.testing.assert_close(via_dense, expected, **tolerance(dtype, expected))
+    # L X = X - P X cancels where P X is close to X (one token, say): rounding is relative to
+    # the size of X and P X, not to that of their difference
+    sizes = torch.stack([probe.abs().max(), walk.apply(probe).abs().max()])
+    torch.testing.assert_close(via_dense, expected, **tolerance(dtype, sizes))
     # and L X = X - (apply X), the propagation the identity uses
-    torch.testing.assert_close(expected, probe - walk.apply(probe), **tolerance(dtype, expected))
+    torch.testing.assert_close(expected, probe - walk.apply(probe), **tolerance(dtype, sizes))

@@ -116,11 +116,11 @@ class LayerDraws:
 
         The draw is ``T'^h = s_h R^h``, so its message Gram is the raw draw's times
         ``s_a s_b``: no scaled copy of the factors is made, one raw draw alive at a time (and
-        the raw draw's ``out_gram``, where kept, spares its messages).
+        the raw draw's ``out_rows``, where kept, spare its messages).
         """
         draws = zip(self.raw.factors(), self.raw.draws, self.scales, strict=True)
         for (R_V, R_O), raw, scale in draws:
-            grams = field_defect.message_grams(field, R_V, R_O, out_gram=raw.out_gram)
+            grams = field_defect.message_grams(field, R_V, R_O, out_rows=raw.out_rows)
             del R_V, R_O  # before the next draw is made
             yield grams * (scale[:, None] * scale[None, :]).to(grams)
 

@@ -54,19 +54,53 @@ def _cast(field: Tensor, W_V: Tensor, W_O: Tensor, *rest: Tensor) -> tuple[Tenso
     return tuple(t.to(device=field.device, dtype=dtype) for t in (field, W_V, W_O, *rest))
 
 
+def output_gram_rows(
+    out_blocks: Float[Tensor, "head head d_head d_head"],
+) -> Float[Tensor, " packed"]:
+    """The output Gram ``W_O^cat W_O^cat^T`` by its upper block rows, packed (``out_rows`` of
+    `message_grams`).
+
+    ``out_blocks[a, b] = W_O^a W_O^b^T`` (`tl_connwalk.core.isometry.head_factor_grams`' second
+    result). Row block ``a`` keeps the blocks ``b >= a`` as one ``[d_head, (H - a) d_head]``
+    matrix, the rows one after another: ``d_head^2 H (H + 1) / 2`` numbers, about half of the
+    symmetric Gram (GPT-2 small: 1.2 MiB in float32 against 2.25 MiB).
+
+    >>> W_O = torch.randn(3, 2, 8)
+    >>> output_gram_rows(einsum(W_O, W_O, "a p d, b q d -> a b p q")).shape  # 4 * 3 * 4 / 2
+    torch.Size([24])
+    """
+    n_heads = out_blocks.shape[0]
+    return torch.cat([rearrange(out_blocks[a, a:], "b p q -> (p b q)") for a in range(n_heads)])
+
+
+def _gram_rows(out_rows: Tensor, n_heads: int, d_head: int) -> list[Tensor]:
+    """Views of the row blocks packed by `output_gram_rows`, each ``[d_head, (H - a) d_head]``."""
+    expected = d_head * d_head * n_heads * (n_heads + 1) // 2
+    if out_rows.shape != (expected,):
+        raise ConnWalkError(
+            f"out_rows {tuple(out_rows.shape)} must be [{expected}]: the upper block rows of "
+            f"W_O^cat W_O^cat^T for {n_heads} heads of {d_head}, packed by output_gram_rows."
+        )
+    sizes = [d_head * (n_heads - a) * d_head for a in range(n_heads)]
+    return [
+        part.view(d_head, (n_heads - a) * d_head) for a, part in enumerate(out_rows.split(sizes))
+    ]
+
+
 def message_grams(
     field: Float[Tensor, "batch key d_model"],
     W_V: Float[Tensor, "head d_model d_head"],
     W_O: Float[Tensor, "head d_head d_model"],
     *,
-    out_gram: Float[Tensor, "head_d_head head_d_head"] | None = None,
+    out_rows: Float[Tensor, " packed"] | None = None,
 ) -> Float[Tensor, "batch key head head"]:
     """The head-message Gram ``G_j[a,b] = (x_j T^a) . (x_j T^b)`` of every key.
 
-    Without ``out_gram``, through the messages ``m^h_j = (x_j W_V^h) W_O^h``:
-    ``O(batch n H d_head d_model + batch n H^2 d_model)`` time. With ``out_gram = W_O^cat
-    W_O^cat^T`` (blocks ``W_O^a W_O^b^T``; `tl_connwalk.core.head_grams.HeadGrams` keeps it for
-    narrow layers), through the values ``v^a_j = x_j W_V^a`` alone::
+    Without ``out_rows``, through the messages ``m^h_j = (x_j W_V^h) W_O^h``:
+    ``O(batch n H d_head d_model + batch n H^2 d_model)`` time. With ``out_rows``, the upper
+    block rows of ``W_O^cat W_O^cat^T`` (blocks ``W_O^a W_O^b^T``, packed by
+    `output_gram_rows`; `tl_connwalk.core.head_grams.HeadGrams` keeps them for narrow
+    layers), through the values ``v^a_j = x_j W_V^a`` alone::
 
         G_j[a,b] = v^a_j (W_O^a W_O^b^T) v^b_j^T
 
@@ -79,8 +113,8 @@ def message_grams(
     >>> G = message_grams(field, W_V, W_O)
     >>> G.shape
     torch.Size([1, 3, 2, 2])
-    >>> out_gram = W_O.flatten(0, 1) @ W_O.flatten(0, 1).T
-    >>> torch.allclose(message_grams(field, W_V, W_O, out_gram=out_gram), G, atol=1e-4)
+    >>> out_rows = output_gram_rows(einsum(W_O, W_O, "a p d, b q d -> a b p q"))
+    >>> torch.allclose(message_grams(field, W_V, W_O, out_rows=out_rows), G, atol=1e-4)
     True
     """
     field, W_V, W_O = _cast(field, W_V, W_O)
@@ -88,20 +122,13 @@ def message_grams(
     n_heads, _, d_head = W_V.shape
     keys = rearrange(field, "batch key d_model -> (batch key) d_model")
     grams = keys.new_empty(batch * n_key, n_heads, n_heads)  # filled block by block
-    if out_gram is not None:
-        width = n_heads * d_head
-        if out_gram.shape != (width, width):
-            raise ConnWalkError(
-                f"out_gram {tuple(out_gram.shape)} must be [H d_head, H d_head] = "
-                f"[{width}, {width}]: W_O^cat W_O^cat^T of these W_O."
-            )
-        out_gram = out_gram.to(keys)
+    if out_rows is not None:
+        gram_rows = _gram_rows(out_rows.to(keys), n_heads, d_head)
         values = rearrange(W_V, "head d_model d_head -> d_model (head d_head)")
         # per key: its values, and one head's pair forms (at most H d_head) at a time
-        for block in _query_chunks(batch * n_key, 4 * 2 * width):
+        for block in _query_chunks(batch * n_key, 4 * 2 * n_heads * d_head):
             v = (keys[block] @ values).view(-1, n_heads, d_head)
-            for a in range(n_heads):
-                rows = out_gram[a * d_head : (a + 1) * d_head, a * d_head :]
+            for a, rows in enumerate(gram_rows):
                 pair = (v[:, a] @ rows).view(-1, n_heads - a, d_head)
                 grams[block, a, a:] = (pair * v[:, a:]).sum(-1)
         upper = torch.ones(n_heads, n_heads, dtype=torch.bool, device=grams.device).triu()

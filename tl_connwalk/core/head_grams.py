@@ -3,8 +3,8 @@
 The head transports ``T^h = W_V^h W_O^h`` give the head Grams ``K2``, the folded ``K4`` and
 the head defects (SPEC 3; `tl_connwalk.core.isometry.gram_matrices`, `isometry.fold_pairs`,
 `isometry.head_transport_defects`) and, for layers with ``H d_head <= OUT_GRAM_WIDTH``, the
-output Gram ``W_O^cat W_O^cat^T`` that spares the field defect its messages
-(`tl_connwalk.core.field_defect.message_grams`). They depend on the weights, not on the
+upper block rows of the output Gram ``W_O^cat W_O^cat^T`` that spare the field defect its
+messages (`tl_connwalk.core.field_defect.message_grams`). They depend on the weights, not on the
 tokens: every cache of one model (each batch of ``analyze``, each prompt of a study) needs
 the same ones, and for a GPT-2-small layer they cost about as much as that layer's forward
 pass at 256 tokens. `head_grams` keeps them in a least-recently-used store of at most `CACHE_BYTES`,
@@ -29,18 +29,17 @@ from typing import NamedTuple
 
 import torch
 import xxhash
-from einops import rearrange
 from jaxtyping import Float
 from torch import Tensor
 
-from tl_connwalk.core import isometry
+from tl_connwalk.core import field_defect, isometry
 
 #: Most bytes the store keeps (least recently used entries leave first). A GPT-2-small layer
-#: needs 2.3 MiB (26 KiB without its ``out_gram``), a Llama-3-8B layer (32 heads) 1.1 MiB.
+#: needs 1.2 MiB (26 KiB without its ``out_rows``), a Llama-3-8B layer (32 heads) 1.1 MiB.
 CACHE_BYTES = 2**28
-#: Widest ``H d_head`` whose output Gram ``W_O^cat W_O^cat^T`` is kept (`HeadGrams.out_gram`):
-#: 1024 is 4 MiB in float32 (GPT-2 small: 768, 2.25 MiB). Wider layers measure their message
-#: Grams through the messages instead (`field_defect.message_grams`).
+#: Widest ``H d_head`` whose output Gram ``W_O^cat W_O^cat^T`` is kept (`HeadGrams.out_rows`,
+#: its upper block rows): 1024 is about 2 MiB in float32 (GPT-2 small: 768, 1.2 MiB). Wider
+#: layers measure their message Grams through the messages (`field_defect.message_grams`).
 OUT_GRAM_WIDTH = 1024
 
 
@@ -50,8 +49,9 @@ class HeadGrams:
 
     ``norms_sq[h] = ||T^h||_F^2`` (the diagonal of ``K2``), ``K2[a,b] = tr(T^a^T T^b)``,
     ``pair_gram = fold_pairs(K4)`` over the head pairs ``a <= c``, ``head_defects[h] =
-    delta(T^h)`` with ``r = d_head``, and ``out_gram = W_O^cat W_O^cat^T`` (blocks ``W_O^a
-    W_O^b^T``, ``(H d_head)``-square; what `field_defect.message_grams` needs to skip the
+    delta(T^h)`` with ``r = d_head``, and ``out_rows``, the upper block rows of ``W_O^cat
+    W_O^cat^T`` (blocks ``W_O^a W_O^b^T``, ``b >= a``, packed by
+    `field_defect.output_gram_rows`; what `field_defect.message_grams` needs to skip the
     messages) where ``H d_head <= OUT_GRAM_WIDTH``, else ``None``.
     """
 
@@ -59,7 +59,7 @@ class HeadGrams:
     K2: Float[Tensor, "head head"]
     pair_gram: Float[Tensor, "pair pair"]
     head_defects: Float[Tensor, " head"]
-    out_gram: Float[Tensor, "head_d_head head_d_head"] | None = None
+    out_rows: Float[Tensor, " packed"] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -74,22 +74,22 @@ def compute_head_grams(
     """`HeadGrams` of ``W_V``, ``W_O``, computed now (no store): ``O(H^3 d_head^3)``.
 
     >>> terms = compute_head_grams(torch.randn(3, 8, 2), torch.randn(3, 2, 8))
-    >>> terms.K2.shape, terms.pair_gram.shape, terms.out_gram.shape
-    (torch.Size([3, 3]), torch.Size([6, 6]), torch.Size([6, 6]))
+    >>> terms.K2.shape, terms.pair_gram.shape, terms.out_rows.shape  # out_rows: 2 * 2 * 3 * 4 / 2
+    (torch.Size([3, 3]), torch.Size([6, 6]), torch.Size([24]))
     """
     gram_v, gram_o = isometry.head_factor_grams(W_V, W_O)
     K2, K4 = isometry.grams_of_factor_grams(gram_v, gram_o)
     n_heads, _, d_head, _ = gram_o.shape
-    out_gram = None
+    out_rows = None
     if n_heads * d_head <= OUT_GRAM_WIDTH:
-        out_gram = rearrange(gram_o, "a b p q -> (a p) (b q)")
+        out_rows = field_defect.output_gram_rows(gram_o)
     del gram_v, gram_o
     return HeadGrams(
         norms_sq=K2.diagonal().clone(),
         K2=K2,
         pair_gram=isometry.fold_pairs(K4),
         head_defects=isometry.head_transport_defects(W_V, W_O),
-        out_gram=out_gram,
+        out_rows=out_rows,
     )
 
 
