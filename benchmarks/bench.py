@@ -110,6 +110,29 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed(where: torch.device, fn: Callable[[], object]) -> float:
+    """Seconds of ``fn()`` including the device work it queued."""
+    _sync(where)
+    start = time.perf_counter()
+    fn()
+    _sync(where)
+    return time.perf_counter() - start
+
+
+def gpt2_small(n_pos: int, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """A random GPT-2-small-shaped Bridge (12 layers, d_model 768, 12 heads of 64)."""
+    return random_bridge(
+        "gpt2", n_layers=12, d_model=768, n_heads=12, scale=0.02, n_ctx=n_pos, device=device
+    )
+
+
+def measure_every_layer(cache: ActivationCache, baseline_draws: int = 2) -> None:
+    """``laplacian_residual`` of every layer of a `gpt2_small` cache, then the layer drift."""
+    for layer in range(12):
+        tl_connwalk.laplacian_residual(cache, layer, baseline_draws=baseline_draws)
+    tl_connwalk.layer_drift(cache)
+
+
 class _Peak:
     """Peak memory growth over the start: the process's resident set on CPU, the caching
     allocator's peak on CUDA (``torch.cuda.max_memory_allocated``)."""
@@ -143,23 +166,15 @@ def all_measurements(n_pos: int, baseline_draws: int, device: str = "cpu") -> di
     whose own caches would count), against the cached patterns.
     """
     where = torch.device(device)
-    model = random_bridge(
-        "gpt2", n_layers=12, d_model=768, n_heads=12, scale=0.02, n_ctx=n_pos, device=where
-    )
+    model = gpt2_small(n_pos, where)
     tokens = torch.randint(0, VOCAB - 1, (2, 1, n_pos)).to(where)
     names = tl_connwalk.required_hooks(model)
 
-    def timed(fn: Callable[[], object]) -> float:
-        _sync(where)
-        start = time.perf_counter()
-        fn()
-        _sync(where)
-        return time.perf_counter() - start
-
     def measure_all(cache: ActivationCache) -> None:
-        for layer in range(12):
-            tl_connwalk.laplacian_residual(cache, layer, baseline_draws=baseline_draws)
-        tl_connwalk.layer_drift(cache)
+        measure_every_layer(cache, baseline_draws)
+
+    def forward_pass() -> object:
+        return model.run_with_cache(tokens[1], names_filter=names)
 
     with torch.no_grad():
         forward: list[float] = []
@@ -176,13 +191,13 @@ def all_measurements(n_pos: int, baseline_draws: int, device: str = "cpu") -> di
         draws.raw_draws.cache_clear()
         head_grams.cache_clear()
         peak = _Peak(where)
-        cold = timed(lambda: measure_all(first))
+        cold = timed(where, lambda: measure_all(first))
         measure_all(second)  # the peak covers a cold and a warm pass, no further cache
         peak_bytes = peak.bytes()
         warm = []
         for _ in range(3):
-            forward.append(timed(lambda: model.run_with_cache(tokens[1], names_filter=names)))
-            warm.append(timed(lambda: measure_all(second)))
+            forward.append(timed(where, forward_pass))
+            warm.append(timed(where, lambda: measure_all(second)))
     reference = statistics.median(forward)
     return {"device": device, "tokens": n_pos, "baseline_draws": baseline_draws,
             "cold_s": cold, "warm_s": statistics.median(warm), "run_with_cache_s": reference,
@@ -228,11 +243,7 @@ def layer_residual(
     n_pattern = operands[0].numel()
 
     def residual_seconds(walk: tl_connwalk.ConnectionWalk) -> float:
-        _sync(where)
-        start = time.perf_counter()
-        walk.laplacian_residual(baseline_draws=baseline_draws)
-        _sync(where)
-        return time.perf_counter() - start
+        return timed(where, lambda: walk.laplacian_residual(baseline_draws=baseline_draws))
 
     draws.raw_draws.cache_clear()
     head_grams.cache_clear()

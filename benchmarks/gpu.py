@@ -26,25 +26,27 @@ import statistics
 import subprocess
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
+from transformer_lens import ActivationCache
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 import bench
 
 import tl_connwalk
-from tl_connwalk.core import isometry
-from tl_connwalk.toy import VOCAB, random_bridge
+from tl_connwalk.core import head_grams, isometry
+from tl_connwalk.toy import VOCAB
 
 ROOT = Path(__file__).parent.parent
 
 
 def environment() -> dict[str, object]:
-    import transformer_lens
-
-    return {"torch": torch.__version__, "transformer_lens": transformer_lens.__version__,
+    """Versions and the device (TransformerLens has no ``__version__``: its distribution's)."""
+    return {"torch": torch.__version__, "transformer_lens": metadata.version("transformer-lens"),
             "device": torch.cuda.get_device_name(), "cuda": torch.version.cuda,
             "tf32_matmul": torch.backends.cuda.matmul.allow_tf32}  # fmt: skip
 
@@ -66,23 +68,22 @@ def edge_blocks(n_pos: int = 4096) -> list[dict[str, object]]:
     walk = tl_connwalk.ConnectionWalk.from_pattern(
         *(t.to(cuda) for t in bench.layer_operands(n_pos, "gpt2"))
     )
+    heads = head_grams.compute_head_grams(walk.W_V, walk.W_O)
+    # the layer and two draws: three families of these heads' shape (`_edge_block`'s rule)
+    rows = isometry._family_rows(torch.stack([heads.K2] * 3), torch.stack([heads.pair_gram] * 3))
     default = isometry.DEVICE_BLOCK_ENTRIES
     results, reference = [], None
     for entries in (default, 1, 2**22, 2**24, 2**28):  # 1: the CPU's EDGE_BLOCK
         isometry.DEVICE_BLOCK_ENTRIES = entries
-        times = []
-        for _ in range(4):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            res = walk.laplacian_residual(baseline_draws=2)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
+        res = walk.laplacian_residual(baseline_draws=2)  # untimed: the values compared
+        times = [
+            bench.timed(cuda, lambda: walk.laplacian_residual(baseline_draws=2)) for _ in range(3)
+        ]
         values = torch.tensor([res.transport_defect.item(), res.scale.item()], dtype=torch.float64)
         reference = values if reference is None else reference
-        # GPT-2 small, two draws: 3 families of 1 + 80 padded head pairs (`_FamilyRows`)
         results.append({"entries": entries,
-            "edges_per_block": max(isometry.EDGE_BLOCK, entries // (81 * 3)),
-            "seconds": statistics.median(times[1:]),
+            "edges_per_block": isometry._edge_block(cuda, rows),
+            "seconds": statistics.median(times),
             "max_rel_diff": ((values - reference).abs() / reference.abs()).max().item(),
         })  # fmt: skip
         print(results[-1], flush=True)
@@ -95,16 +96,12 @@ def profile(n_pos: int, out: Path) -> dict[str, object]:
     time goes: launches, synchronisations) and under ``torch.profiler`` (the device's time by
     operator); both tables go to ``out/profile_{n_pos}.txt``."""
     cuda = torch.device("cuda")
-    model = random_bridge(
-        "gpt2", n_layers=12, d_model=768, n_heads=12, scale=0.02, n_ctx=n_pos, device=cuda
-    )
+    model = bench.gpt2_small(n_pos, cuda)
     tokens = torch.randint(0, VOCAB - 1, (1, n_pos)).to(cuda)
     names = tl_connwalk.required_hooks(model)
 
-    def measure_all(cache: object) -> None:
-        for layer in range(12):
-            tl_connwalk.laplacian_residual(cache, layer, baseline_draws=2)
-        tl_connwalk.layer_drift(cache)
+    def measure_all(cache: ActivationCache) -> None:
+        bench.measure_every_layer(cache)
         torch.cuda.synchronize()
 
     with torch.no_grad():
@@ -121,12 +118,14 @@ def profile(n_pos: int, out: Path) -> dict[str, object]:
     pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(30)
     pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(25)
     events = device.key_averages()
-    on_device = [e for e in events if getattr(e, "self_device_time_total", 0) > 0]
-    busy_us = sum(e.self_device_time_total for e in on_device)
+    # the device's own events (kernels, copies), as the table's "Self CUDA time total" counts
+    # them: an operator's row also carries its kernels' time, so summing every row counts twice
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+    busy_us = sum(e.self_device_time_total for e in kernels)
     text.write(events.table(sort_by="self_device_time_total", row_limit=30))
     (out / f"profile_{n_pos}.txt").write_text(text.getvalue())
     return {"tokens": n_pos, "wall_s_under_cprofile": host_s, "device_busy_s": busy_us / 1e6,
-            "launches": sum(e.count for e in on_device)}  # fmt: skip
+            "launches": sum(e.count for e in kernels)}  # fmt: skip
 
 
 def main() -> None:

@@ -27,6 +27,7 @@ from tests.architectures import (
 from tests.core.problems import Problem, random_problem
 from tests.core.test_draws import ATOL, reference_baselines, residual_of
 from tests.tolerances import assert_close
+from tl_connwalk import LaplacianResidual
 from tl_connwalk.core import draws
 from tl_connwalk.report.measure import output_hook
 from tl_connwalk.toy import random_bridge
@@ -50,21 +51,22 @@ def _numbers(value: object, path: str = "") -> dict[str, float]:
     elif isinstance(value, list):
         items = [(f"{path}[{i}]", sub) for i, sub in enumerate(value)]
     else:
-        items = []
-    if items:
-        return {k: v for where, sub in items for k, v in _numbers(sub, where).items()}
-    if isinstance(value, float) and not isinstance(value, bool):
-        return {path: value}
-    return {}
+        return {path: value} if isinstance(value, float) else {}
+    return {k: v for where, sub in items for k, v in _numbers(sub, where).items()}
 
 
-def _close(cpu: dict[str, float], cuda: dict[str, float]) -> list[str]:
-    """The values that differ; both sides must hold the same (and more than a few) values."""
-    assert cpu.keys() == cuda.keys() and len(cpu) >= 10
+def _differences(expected: LaplacianResidual, got: LaplacianResidual) -> list[str]:
+    """The values of two residuals that differ, the baselines left out (each device draws
+    from its own generator); both must hold the same (and more than a few) values."""
+    want, have = expected.to_dict(), got.to_dict()
+    del want["baseline"], have["baseline"]
+    assert want["processing"] == have["processing"]
+    want, have = _numbers(want), _numbers(have)
+    assert want.keys() == have.keys() and len(want) >= 10
     return [
-        f"{key}: cpu {cpu[key]!r} cuda {cuda[key]!r}"
-        for key in cpu
-        if not math.isclose(cpu[key], cuda[key], rel_tol=1e-4, abs_tol=1e-6)
+        f"{key}: expected {want[key]!r}, got {have[key]!r}"
+        for key in want
+        if not math.isclose(want[key], have[key], rel_tol=1e-4, abs_tol=1e-6)
     ]
 
 
@@ -87,11 +89,9 @@ def test_walks_and_measurements_on_cuda_equal_the_cpu(kind, name):
         hook = output_hook(model, layer)
         if hook is not None:  # exact on the device: the walk gives TransformerLens's output
             assert_close(walk.apply() + walk.bias(), on_cuda[hook])
-        res_cpu = tl_connwalk.laplacian_residual(on_cpu, layer, baseline_draws=2).to_dict()
-        res_cuda = tl_connwalk.laplacian_residual(on_cuda, layer, baseline_draws=2).to_dict()
-        del res_cpu["baseline"], res_cuda["baseline"]
-        assert res_cpu["processing"] == res_cuda["processing"]
-        assert not _close(_numbers(res_cpu), _numbers(res_cuda)), (name, layer)
+        res_cpu = tl_connwalk.laplacian_residual(on_cpu, layer, baseline_draws=2)
+        res_cuda = tl_connwalk.laplacian_residual(on_cuda, layer, baseline_draws=2)
+        assert not _differences(res_cpu, res_cuda), (name, layer)
     drift_cpu = tl_connwalk.layer_drift(on_cpu)
     assert_close(tl_connwalk.layer_drift(on_cuda).cpu(), drift_cpu)
 
@@ -118,10 +118,7 @@ def test_wide_edge_blocks_on_cuda_equal_the_cpu():
     operands = layer_operands(512, "gpt2")
     on_cpu = tl_connwalk.ConnectionWalk.from_pattern(*operands).laplacian_residual()
     walk = tl_connwalk.ConnectionWalk.from_pattern(*(t.to(CUDA) for t in operands))
-    on_cuda = walk.laplacian_residual()
-    cpu, cuda = on_cpu.to_dict(), on_cuda.to_dict()
-    del cpu["baseline"], cuda["baseline"]
-    assert not _close(_numbers(cpu), _numbers(cuda))
+    assert not _differences(on_cpu, walk.laplacian_residual())
 
 
 @hooked_only
@@ -134,7 +131,7 @@ def test_a_model_split_over_cuda_and_the_cpu_measures_each_layer_on_its_device()
     model = build("llama_gqa_rotary")
     with torch.no_grad():
         _, cache = model.run_with_cache(tokens())
-    expected = [tl_connwalk.laplacian_residual(cache, layer).to_dict() for layer in (0, 1)]
+    expected = [tl_connwalk.laplacian_residual(cache, layer) for layer in (0, 1)]
     drift, table = tl_connwalk.layer_drift(cache), tl_connwalk.geometry_table(cache)
     model.blocks[1].to(CUDA)
     for name in tl_connwalk.required_hooks(model, 1):
@@ -144,9 +141,7 @@ def test_a_model_split_over_cuda_and_the_cpu_measures_each_layer_on_its_device()
         assert walk.walk.device.type == walk.W_V.device.type == device
         res = tl_connwalk.laplacian_residual(cache, layer)
         assert res.transport_defect.device.type == device
-        got, want = res.to_dict(), dict(expected[layer])
-        del got["baseline"], want["baseline"]  # drawn by each device's own generator
-        assert not _close(_numbers(want), _numbers(got)), layer
+        assert not _differences(expected[layer], res), layer
     assert_close(tl_connwalk.layer_drift(cache).cpu(), drift)
     split = tl_connwalk.geometry_table(cache)
     assert split.shape == table.shape and list(split.columns) == list(table.columns)
