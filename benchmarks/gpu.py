@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench
 
 import tl_connwalk
-from tl_connwalk.core import head_grams, isometry
+from tl_connwalk.core import head_grams, isometry, quartic
 from tl_connwalk.toy import VOCAB
 
 ROOT = Path(__file__).parent.parent
@@ -70,7 +70,7 @@ def edge_blocks(n_pos: int = 4096) -> list[dict[str, object]]:
     )
     heads = head_grams.compute_head_grams(walk.W_V, walk.W_O)
     # the layer and two draws: three families of these heads' shape (`_edge_block`'s rule)
-    rows = isometry._family_rows(torch.stack([heads.K2] * 3), torch.stack([heads.pair_gram] * 3))
+    rows = quartic.quartic_rows(torch.stack([heads.K2] * 3), torch.stack([heads.pair_gram] * 3))
     default = isometry.DEVICE_BLOCK_ENTRIES
     results, reference = [], None
     for entries in (default, 1, 2**22, 2**24, 2**28):  # 1: the CPU's EDGE_BLOCK

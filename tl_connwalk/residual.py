@@ -173,7 +173,7 @@ def laplacian_residual(
     are kept by content, `tl_connwalk.core.head_grams`: another cache of the same model costs
     only a 128-bit XXH3 digest of ``W_V``, ``W_O``); the random draws' Grams are computed once per
     head shape and seed and shared by every layer (`core.draws`), each layer rescaling them
-    to its head norms; ``O(batch n^2 H^4 / 4)`` per-edge work for the layer and each draw in
+    to its head norms; ``O(batch n^2 H^4 / 24)`` per-edge work for the layer and each draw in
     one pass over the gates; the field defect's message Grams ``O(batch n H d_head d_model)``
     for the layer and each draw (through the stored output Gram where ``H d_head <= 1024``,
     `field_defect.message_grams`). Memory stays at the size of the pattern plus the ``H^2 d_head^2``

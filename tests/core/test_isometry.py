@@ -17,6 +17,7 @@ from jaxtyping import TypeCheckError
 from tests.core import problems
 from tests.tolerances import assert_close
 from tl_connwalk.core import isometry as iso
+from tl_connwalk.core import quartic
 from tl_connwalk.core.walk import gates as split_gates
 from tl_connwalk.core.walk import walk_matrix
 from tl_connwalk.errors import ConnWalkError
@@ -224,7 +225,7 @@ def test_edge_gram_defects_match_per_edge_svd(heads, causal, monkeypatch):
 def test_edge_blocks_split_the_edges_without_changing_them(monkeypatch):
     pattern, _, W_V, W_O = random_problem(heads=4, causal=True, seed=7)
     K2, K4 = iso.gram_matrices(W_V, W_O)
-    rows = iso._family_rows(torch.stack([K2, 2 * K2]), torch.stack([iso.fold_pairs(K4)] * 2))
+    rows = quartic.quartic_rows(torch.stack([K2, 2 * K2]), torch.stack([iso.fold_pairs(K4)] * 2))
     listed = split_gates(pattern)[0].flatten(1)  # [head, edge]
     whole = iso._family_gram_defects(listed, rows, rank=8)
     monkeypatch.setattr(iso, "EDGE_BLOCK", 4)  # several blocks, the last one partial
@@ -235,8 +236,8 @@ def test_edge_blocks_split_the_edges_without_changing_them(monkeypatch):
     cuda = torch.device("cuda")
     assert iso._edge_block(torch.device("cpu"), rows) == 4
     width = iso._edge_block(cuda, rows)
-    assert width == iso.DEVICE_BLOCK_ENTRIES // ((1 + rows.padded) * rows.families) > 4
-    assert (1 + rows.padded) * rows.families * width <= iso.DEVICE_BLOCK_ENTRIES
+    assert width == iso.DEVICE_BLOCK_ENTRIES // ((1 + rows.n_pairs) * rows.families) > 4
+    assert (1 + rows.n_pairs) * rows.families * width <= iso.DEVICE_BLOCK_ENTRIES
     monkeypatch.setattr(iso, "DEVICE_BLOCK_ENTRIES", 1)
     assert iso._edge_block(cuda, rows) == 4
 

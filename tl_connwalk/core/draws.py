@@ -26,7 +26,7 @@ from einops import rearrange
 from jaxtyping import Float
 from torch import Tensor
 
-from tl_connwalk.core import field_defect, isometry
+from tl_connwalk.core import field_defect, isometry, quartic
 from tl_connwalk.core.head_grams import HeadGrams, compute_head_grams
 from tl_connwalk.errors import ConnWalkError
 
@@ -161,7 +161,7 @@ def layer_draws(
     raw = raw_draws(W_V.shape, W_O.shape, W_V.dtype, W_V.device, seed, n_draws)
     target = isometry.head_norms_sq(W_V, W_O) if norms_sq is None else norms_sq.to(W_V)
     scales = torch.stack([isometry.draw_scales(target, draw.norms_sq) for draw in raw.draws])
-    first, second = isometry.head_pairs(W_V.shape[0], W_V.device)
+    first, second = quartic.head_pairs(W_V.shape[0], W_V.device)
     pair_scales = scales[:, first] * scales[:, second]
     K2 = torch.stack([draw.K2 for draw in raw.draws])
     pair_gram = torch.stack([draw.pair_gram for draw in raw.draws])

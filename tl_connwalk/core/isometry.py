@@ -27,6 +27,8 @@ from einops import einsum, rearrange, reduce
 from jaxtyping import Bool, Float
 from torch import Tensor
 
+from tl_connwalk.core import quartic
+from tl_connwalk.core.quartic import QuarticRows, head_pairs
 from tl_connwalk.errors import ConnWalkError
 
 #: Working-memory budget (entries) of the chunked contractions below.
@@ -404,19 +406,14 @@ def _edge_frobenius_sq(
     return out.mul_(n_heads**2)
 
 
-def head_pairs(n_heads: int, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
-    """The unordered head pairs ``{a, c}``, ``a <= c``, as index tensors ``(first, second)``."""
-    first, second = torch.triu_indices(n_heads, n_heads, device=device)
-    return first, second
-
-
 def fold_pairs(K4: Float[Tensor, "head head head head"]) -> Float[Tensor, "pair pair"]:
     """``K4`` folded onto unordered head pairs: ``S^T K4 S`` over `head_pairs` (``a <= c``).
 
     ``K4`` is the Gram matrix of the pair maps ``T^a T^c^T`` (symmetric in ``(a c) <-> (b e)``)
     and ``g^a g^c`` is symmetric in ``a, c``: folding each unordered pair into one coordinate
     cuts the per-edge work of ``sum g^a g^b g^c g^e K4[a,b,c,e]`` from ``H^4`` to ``~H^4 / 4``:
-    ``sum sigma^4(T_ij) = H^4 u^T F u`` with ``u_{ac} = g^a g^c``.
+    ``sum sigma^4(T_ij) = H^4 u^T F u`` with ``u_{ac} = g^a g^c`` (evaluated through its
+    ``~H^4 / 24`` distinct monomials, `tl_connwalk.core.quartic`).
 
     >>> fold_pairs(torch.ones(2, 2, 2, 2))
     tensor([[1., 2., 1.],
@@ -433,99 +430,31 @@ def fold_pairs(K4: Float[Tensor, "head head head head"]) -> Float[Tensor, "pair 
     return fold.T @ rearrange(K4, "a b c e -> (a c) (b e)") @ fold
 
 
-#: Head pairs per row block of the folded ``K4`` in the per-edge work (`_family_rows`).
-PAIR_BLOCK = 16
-
-
-@dataclasses.dataclass(frozen=True)
-class _FamilyRows:
-    """Several families' Grams laid out for `_family_gram_defects`: row blocks of matrices
-    that multiply the pair products ``u_{ac} = g^a g^c`` (``a <= c``, zero-padded to a multiple
-    of ``PAIR_BLOCK``) of a block of edges.
-
-    For the folded ``K4`` ``F`` of each family, block ``k`` holds the rows of ``S = (F + F^T) /
-    2`` for the pairs ``[kB, kB + B)`` (``B = PAIR_BLOCK``) from pair ``kB`` on, the columns
-    past the block doubled (the upper block triangle), so that for any ``u``::
-
-        u^T F u = u^T S u = sum_k u_k^T (blocks[k] @ u[kB:])
-
-    with about half the products of ``F @ u``. Rows run pair-major (``(p family)``), so the
-    blocks' products land side by side in one ``[1 + padded, family, edge]`` buffer and one
-    multiply-and-sum over its pair axis gives every family's ``u^T S u``. Block 0 starts with
-    one more row per family, ``K2`` folded the same way (``k_{ac} = K2[a,c] + K2[c,a]``,
-    ``K2[a,a]`` on the diagonal), so that the same product gives ``g^T K2 g = k . u``.
-    """
-
-    blocks: tuple[Tensor, ...]
-    families: int
-    padded: int
-
-
-def _family_rows(K2: Tensor, pair_gram: Tensor) -> _FamilyRows:
-    """`_FamilyRows` of ``K2`` ``[family, H, H]`` and ``pair_gram`` ``[family, P, P]``."""
-    families, n_pairs = pair_gram.shape[0], pair_gram.shape[-1]
-    padded = -(-n_pairs // PAIR_BLOCK) * PAIR_BLOCK
-    sym = pair_gram.new_zeros(families, padded, padded)
-    sym[:, :n_pairs, :n_pairs] = (pair_gram + pair_gram.mT) / 2
-    blocks = []
-    for start in range(0, padded, PAIR_BLOCK):
-        block = sym[:, start : start + PAIR_BLOCK, start:].clone()
-        block[:, :, PAIR_BLOCK:] *= 2
-        blocks.append(rearrange(block, "family p q -> (p family) q"))
-    first, second = head_pairs(K2.shape[-1], K2.device)
-    folded = pair_gram.new_zeros(families, padded)
-    folded[:, :n_pairs] = torch.where(
-        first == second, K2[:, first, second], K2[:, first, second] + K2[:, second, first]
-    )
-    blocks[0] = torch.cat([folded, blocks[0]])
-    return _FamilyRows(tuple(block.contiguous() for block in blocks), families, padded)
-
-
-def _edge_block(device: torch.device, rows: _FamilyRows) -> int:
+def _edge_block(device: torch.device, rows: QuarticRows) -> int:
     """Edges per block of `_family_gram_defects`: ``EDGE_BLOCK`` on the CPU; elsewhere as many
-    as fill ``DEVICE_BLOCK_ENTRIES`` numbers of products (``1 + padded`` per family and edge;
-    GPT-2 small with two draws: 276k edges, 256 MiB in float32), at least ``EDGE_BLOCK``.
+    as fill ``DEVICE_BLOCK_ENTRIES`` numbers of products (``1 + P`` per family and edge;
+    GPT-2 small with two draws: 283k edges, 256 MiB in float32), at least ``EDGE_BLOCK``.
     """
     if device.type == "cpu":
         return EDGE_BLOCK
-    return max(EDGE_BLOCK, DEVICE_BLOCK_ENTRIES // ((1 + rows.padded) * rows.families))
+    return max(EDGE_BLOCK, DEVICE_BLOCK_ENTRIES // ((1 + rows.n_pairs) * rows.families))
 
 
-def _family_gram_defects(g: Tensor, rows: _FamilyRows, rank: int) -> tuple[Tensor, Tensor]:
+def _family_gram_defects(g: Tensor, rows: QuarticRows, rank: int) -> tuple[Tensor, Tensor]:
     """``eps`` and ``sum sigma^2`` of the edges with gates ``g`` ``[head, edge]``, per family:
     two ``[family, edge]``.
 
-    The families (`_family_rows`: a layer and its random draws, say) share the gates, so each
-    block of edges (`_edge_block`) is read once and multiplied by every family's Grams at once::
+    The families (`tl_connwalk.core.quartic.quartic_rows`: a layer and its random draws, say)
+    share the gates, so each block of edges (`_edge_block`) is read once and multiplied by
+    every family's Grams at once::
 
         sum sigma^2 = H^2 g^T K2[f] g,    sum sigma^4 = H^4 u^T fold(K4[f]) u,  u_{ac} = g^a g^c
 
-    both through the pair products ``u`` (`_FamilyRows`). Blocks keep the temporaries in
-    cache: the work is bound by memory traffic, not flops.
+    the quartic monomial by monomial (`tl_connwalk.core.quartic.forms`). Blocks keep the
+    temporaries in cache: the work is bound by memory traffic as much as by flops.
     """
-    n_heads, n_edges = g.shape
-    families, padded = rows.families, rows.padded
-    sigma4, sigma2 = g.new_empty(families, n_edges), g.new_empty(families, n_edges)
-    step = _edge_block(g.device, rows)
-    width = min(step, n_edges)
-    pairs = g.new_zeros(padded, width)  # the padding rows stay 0
-    # slot 0: g^T K2 g; slot 1 + p: (S u)_p, each [family, edge]; one buffer for every block
-    products = g.new_empty((1 + padded) * families * width)
-    for start in range(0, n_edges, step):
-        block = g[:, start : start + step]
-        size = block.shape[1]
-        u = pairs[:, :size]
-        at = 0
-        for a in range(n_heads):  # u_{ac} = g^a g^c for c >= a, in `head_pairs` order
-            torch.mul(block[a : a + 1], block[a:], out=u[at : at + n_heads - a])
-            at += n_heads - a
-        mixed = products[: (1 + padded) * families * size].view(1 + padded, families, size)
-        for k, pair_block in enumerate(rows.blocks):
-            lo = 0 if k == 0 else 1 + k * PAIR_BLOCK
-            hi = 1 + (k + 1) * PAIR_BLOCK
-            torch.mm(pair_block, u[k * PAIR_BLOCK :], out=mixed[lo:hi].view(-1, size))
-        sigma2[:, start : start + size] = mixed[0]
-        sigma4[:, start : start + size] = mixed[1:].mul_(u[:, None]).sum(0)
+    n_heads = g.shape[0]
+    sigma4, sigma2 = quartic.forms(g, rows, _edge_block(g.device, rows))
     sigma2 *= n_heads**2
     sigma4 *= n_heads**4
     return _ratio_defect(rank * sigma4 - sigma2**2, rank * sigma4), sigma2
@@ -649,11 +578,11 @@ def edge_gram_defects(
     ``sum sigma^2 = H^2 g^T K2 g`` and ``sum sigma^4 = H^4 sum g^a g^b g^c g^e K4[a,b,c,e]``, so
     ``eps_ij = sqrt(1 - (sum sigma^2)^2 / (r sum sigma^4))`` with no per-edge map. It equals the
     top-``r`` definition when ``r >= rank(T_ij)``, e.g. ``r = min(d_model, H d_head)``
-    (`effective_rank`). Costs ``O(batch n^2 H^4 / 4)`` time, memory chunked over queries.
+    (`effective_rank`). Costs ``O(batch n^2 H^4 / 24)`` time, memory chunked over queries.
     Where ``walk`` is given, non-edges (``W_ij = 0``) get 0; zero maps get 0.
 
     ``edges`` (e.g. `heaviest_edges`) restricts the work to those pairs, gathered into a
-    list (``O(n_kept H^4 / 4)``); every other pair gets 0. ``query_chunk`` sets the number of
+    list (``O(n_kept H^4 / 24)``); every other pair gets 0. ``query_chunk`` sets the number of
     query rows per chunk of the all-edge path (``None``: as many as fit ``CHUNK_ENTRIES``
     numbers); the result does not depend on it.
 
@@ -704,7 +633,7 @@ def _edge_gram_defects(
     _check_rank(rank)
     _check_chunk(query_chunk)
     gates, K2, pair_gram = _cast_gates(gates, K2, pair_gram)
-    families = _family_rows(K2[None], pair_gram[None])
+    families = quartic.quartic_rows(K2[None], pair_gram[None])
     if edges is not None:
         _check_edges(edges, gates)
         b, i, j = edges.to(gates.device).nonzero(as_tuple=True)
@@ -785,7 +714,7 @@ def gram_means(
     read once and each chunk's ``eps`` and ``||T_ij||_F / sqrt(r)`` of every family are folded
     into walk-weighted means at once (`walk_weighted_mean`, same ``exclude_sink`` and
     ``edges``), so no ``[batch, n, n]`` value is kept per family. Time ``O(batch n^2 family H^4
-    / 4)``, memory the walk's size plus one chunk (``query_chunk`` rows, ``None``:
+    / 24)``, memory the walk's size plus one chunk (``query_chunk`` rows, ``None``:
     ``CHUNK_ENTRIES`` numbers).
 
     >>> A = torch.softmax(torch.randn(1, 2, 4, 4), -1)
@@ -806,7 +735,7 @@ def gram_means(
     gates, K2, pair_gram = _cast_gates(gates, K2, pair_gram)
     weights, rows_with_mass = _edge_weights(walk, check_flag(exclude_sink, "exclude_sink"), edges)
     weights = weights.to(device=gates.device, dtype=gates.dtype)
-    stacked = _family_rows(K2, pair_gram)
+    stacked = quartic.quartic_rows(K2, pair_gram)
     families = K2.shape[0]
     batch, n_heads, n_query, n_key = gates.shape
     totals = gates.new_zeros(2, families, batch)  # eps, then the scale

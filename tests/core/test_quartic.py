@@ -1,0 +1,98 @@
+"""The per-edge forms by monomials (`tl_connwalk.core.quartic`).
+
+References: ``u^T F u`` and ``g^T K2 g`` evaluated directly in float64 on every edge; the
+cost model's ranges against every set of cut points.
+"""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from tl_connwalk.core import quartic
+
+F64 = torch.float64
+
+
+def direct_forms(g, K2, pair_gram):
+    """``u^T F u`` and ``g^T K2 g`` per family and edge, from the dense ``F`` and ``K2``."""
+    first, second = quartic.head_pairs(g.shape[0])
+    u = g[first] * g[second]  # [pair, edge]
+    s4 = torch.einsum("pe,fpq,qe->fe", u, pair_gram, u)
+    s2 = torch.einsum("ae,fab,be->fe", g, K2, g)
+    return s4, s2
+
+
+@pytest.mark.parametrize("n_heads", [1, 2, 3, 5, 12])
+@pytest.mark.parametrize("product_cost", [0, 860, 10**9])
+def test_forms_equal_the_dense_quadratic_forms(n_heads, product_cost, monkeypatch):
+    # product_cost 0: a range per second index; 1e9: one range for all; 860: the default
+    monkeypatch.setattr(quartic, "PRODUCT_COST", product_cost)
+    generator = torch.Generator().manual_seed(n_heads)
+    n_pairs, families, n_edges = n_heads * (n_heads + 1) // 2, 3, 37
+    K2 = torch.randn(families, n_heads, n_heads, generator=generator, dtype=F64)
+    # F need not be symmetric: only (F + F^T) / 2 counts
+    pair_gram = torch.randn(families, n_pairs, n_pairs, generator=generator, dtype=F64)
+    g = torch.rand(n_heads, n_edges, generator=generator, dtype=F64)
+    rows = quartic.quartic_rows(K2, pair_gram)
+    if product_cost == 0 and n_heads > 1:
+        assert len(rows.ranges) == n_heads
+    if product_cost == 10**9:
+        assert rows.ranges == ((0, n_heads),)
+    expected = direct_forms(g, K2, pair_gram)
+    for step in (n_edges, 8):  # one block, and several with a partial last one
+        for got, want in zip(quartic.forms(g, rows, step), expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("n_heads", [1, 3, 6])
+def test_each_monomial_has_one_coefficient(n_heads):
+    # F of ones: every monomial g^a g^b g^c g^e (a <= b <= c <= e) gets one non-zero
+    # coefficient (the number of pair products that give it), nothing else is non-zero
+    n_pairs = n_heads * (n_heads + 1) // 2
+    rows = quartic.quartic_rows(
+        torch.zeros(1, n_heads, n_heads, dtype=F64), torch.ones(1, n_pairs, n_pairs, dtype=F64)
+    )
+    nonzero = sum(int((block != 0).sum()) for block in rows.blocks)
+    assert nonzero == math.comb(n_heads + 3, 4)
+    assert sum(block.sum() for block in rows.blocks) == n_pairs**2
+
+
+@pytest.mark.parametrize("n_heads", [1, 2, 4, 7])
+@pytest.mark.parametrize("families", [1, 3])
+def test_ranges_are_the_cheapest_cuts(n_heads, families):
+    n_pairs = n_heads * (n_heads + 1) // 2
+
+    def cost(b0, b1):
+        rows = families * (b1 * (b1 + 1) // 2 - b0 * (b0 + 1) // 2 + (b0 == 0))
+        columns = n_pairs - sum(n_heads - a for a in range(b0))
+        return quartic.PRODUCT_COST + rows * (columns + quartic.ROW_COST)
+
+    def total(cuts):
+        bounds = (0, *cuts, n_heads)
+        return sum(cost(b0, b1) for b0, b1 in itertools.pairwise(bounds))
+
+    best = min(
+        total(cuts)
+        for size in range(n_heads)
+        for cuts in itertools.combinations(range(1, n_heads), size)
+    )
+    ranges = quartic._ranges(n_heads, families)
+    assert ranges[0][0] == 0 and ranges[-1][1] == n_heads
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+    assert sum(cost(b0, b1) for b0, b1 in ranges) == best
+
+
+def test_fewer_products_than_the_triangle_for_many_heads():
+    # GPT-2 small (12 heads) and Llama-3-8B (32) with two draws: the multiply-adds per family
+    # and edge against the upper triangle of F (plus the k row)
+    for n_heads, bound in ((12, 2000), (32, 60000)):
+        n_pairs = n_heads * (n_heads + 1) // 2
+        ranges = quartic._ranges(n_heads, 3)
+        work = sum(
+            (b1 * (b1 + 1) // 2 - b0 * (b0 + 1) // 2 + (b0 == 0))
+            * (n_pairs - sum(n_heads - a for a in range(b0)))
+            for b0, b1 in ranges
+        )
+        assert work <= bound < n_pairs * (n_pairs + 1) // 2
