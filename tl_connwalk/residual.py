@@ -370,7 +370,7 @@ def _unit_scaled(tensor: Tensor) -> tuple[Tensor, float]:
     error (the defects agree with the unscaled ones to the last bit or so); inputs whose
     ``max |t|`` lies in ``[2^-8, 2^8]`` are used as they are, without a copy.
     """
-    peak = float(tensor.detach().abs().max()) if tensor.numel() else 0.0
+    peak = isometry.abs_max(tensor)
     if not math.isfinite(peak):
         raise ConnWalkError(
             f"a {tuple(tensor.shape)} input of the measurement has non-finite entries (NaN or "

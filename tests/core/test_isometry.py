@@ -393,3 +393,26 @@ def test_singular_value_defects_are_scale_and_order_invariant(sigma, scale, data
         assert torch.isfinite(base) and 0 <= base <= 1
         torch.testing.assert_close(fn(scale * values, r), base, rtol=0, atol=1e-9)
         torch.testing.assert_close(fn(values[perm], r), base, rtol=0, atol=1e-12)
+
+
+# --- helpers ---------------------------------------------------------------------------
+
+
+def test_abs_max_reads_any_layout_in_memory_order():
+    base = torch.randn(4, 6, 5, dtype=F64)
+    layouts = {
+        "contiguous": base,
+        "permuted": base.permute(2, 0, 1),  # a transposed view, like a Bridge's W_V
+        "strided": base[:, ::2],  # not a permutation of contiguous memory: read as it is
+    }
+    for name, tensor in layouts.items():
+        ordered = iso.in_memory_order(tensor)
+        assert ordered.is_contiguous() == (name != "strided"), name
+        assert torch.equal(ordered.flatten().sort().values, tensor.flatten().sort().values)
+        assert iso.abs_max(tensor) == float(tensor.abs().max()), name
+    assert iso.abs_max(-base) == float(base.abs().max())
+    assert iso.abs_max(torch.empty(0, 3)) == 0.0
+    with_nan = base.permute(2, 0, 1).clone()
+    with_nan[1, 2, 3] = float("nan")
+    assert math.isnan(iso.abs_max(with_nan))
+    assert iso.abs_max(torch.tensor([float("-inf"), 1.0])) == math.inf

@@ -851,6 +851,33 @@ def has_negative(tensor: Tensor) -> bool:
     return tensor.numel() > 0 and bool(tensor.amin() < 0)
 
 
+def in_memory_order(tensor: Tensor) -> Tensor:
+    """``tensor`` with its axes permuted into the order of its strides when that makes it
+    contiguous (else as it is): for reductions whose result does not depend on the order,
+    which run several times faster over contiguous memory (a Bridge's ``W_V`` is a transposed
+    view: ``abs().max()`` 2.2 ms as laid out, 0.2 ms in memory order, GPT-2 small).
+
+    >>> in_memory_order(torch.ones(3, 4).T).is_contiguous()
+    True
+    """
+    order = sorted(range(tensor.ndim), key=lambda axis: -tensor.stride()[axis])
+    permuted = tensor.permute(order)
+    return permuted if permuted.is_contiguous() else tensor
+
+
+def abs_max(tensor: Tensor) -> float:
+    """``max |t|`` as a float (0 for no entries; NaN if any entry is NaN), one pass over the
+    tensor in memory order (`in_memory_order`) without an ``abs`` copy.
+
+    >>> abs_max(torch.tensor([[-3.0, 2.0]]).T)
+    3.0
+    """
+    if tensor.numel() == 0:
+        return 0.0
+    low, high = torch.aminmax(in_memory_order(tensor.detach()))
+    return float(torch.maximum(-low, high))
+
+
 def check_flag(value: object, name: str) -> bool:
     """``value`` if it is a bool, else a ConnWalkError naming the option ``name``."""
     if not isinstance(value, bool):
