@@ -65,6 +65,30 @@ def test_shared_draws_equal_fresh_draws_per_measurement(
     )
 
 
+@pytest.mark.parametrize("draw_rows", [True, False])
+def test_wide_heads_draws_keep_their_output_gram_rows_within_a_budget(draw_rows, monkeypatch):
+    """Heads wider than `head_grams.OUT_GRAM_WIDTH`: the layer measures its message Grams
+    through the messages, each raw draw through its own kept output-Gram rows (shared by
+    every layer) while they fit ``OUT_ROWS_BYTES``, else through its messages; the baselines
+    equal the slow reference either way."""
+    monkeypatch.setattr(head_grams, "OUT_GRAM_WIDTH", 8)  # H d_head = 9 is wider
+    row_bytes = 3**2 * (3 * 4 // 2) * 8  # d_head^2 H (H + 1) / 2 float64 numbers per draw
+    if not draw_rows:  # one byte short of three draws' rows
+        monkeypatch.setattr(draws, "OUT_ROWS_BYTES", 3 * row_bytes - 1)
+    draws.raw_draws.cache_clear()
+    head_grams.cache_clear()
+    p = random_problem(heads=3, pos=6, d_model=10, d_head=3, seed=4, causal=True)
+    res = residual_of(p, baseline_draws=3, seed=11)
+    for name, base in reference_baselines(p, 3, 11).items():
+        torch.testing.assert_close(res.baseline[name].draws, base.draws, atol=1e-10, rtol=0)
+    assert head_grams.head_grams(p.W_V, p.W_O).out_rows is None
+    raw = draws.raw_draws(p.W_V.shape, p.W_O.shape, p.W_V.dtype, p.W_V.device, 11, 3)
+    assert all((draw.out_rows is not None) == draw_rows for draw in raw.draws)
+    if draw_rows:
+        assert all(draw.out_rows.nbytes == row_bytes for draw in raw.draws)
+    head_grams.cache_clear()
+
+
 def test_kept_draws_are_the_seeded_factors_laid_out_for_the_message_grams():
     """The kept ``R_V`` equal a fresh draw of the seed, over ``[d_model, head d_head]`` storage:
     `field_defect.message_grams` reshapes it to ``W_V^cat`` without a copy."""

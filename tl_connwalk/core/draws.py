@@ -26,9 +26,12 @@ from einops import rearrange
 from jaxtyping import Float
 from torch import Tensor
 
-from tl_connwalk.core import field_defect, isometry, quartic
-from tl_connwalk.core.head_grams import HeadGrams, compute_head_grams
+from tl_connwalk.core import field_defect, head_grams, isometry, quartic
 from tl_connwalk.errors import ConnWalkError
+
+#: Most bytes of output-Gram rows (`head_grams.HeadGrams.out_rows`) the raw draws of one shape
+#: keep; the cache holds two shapes.
+OUT_ROWS_BYTES = 2**29
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +48,7 @@ class RawDraws:
     dtype: torch.dtype
     device: torch.device
     seed: int
-    draws: tuple[HeadGrams, ...]
+    draws: tuple[head_grams.HeadGrams, ...]
     kept: tuple[tuple[Tensor, Tensor], ...] | None
 
     def factors(self) -> Iterator[tuple[Tensor, Tensor]]:
@@ -72,14 +75,21 @@ def raw_draws(
     """The raw draws of `isometry.random_baselines` (integer ``seed``), with their Grams.
 
     Cached for the last two shapes: a model's layers share them. Costs, once,
-    ``n_draws`` times one layer's `isometry.gram_matrices` and head defects.
+    ``n_draws`` times one layer's `isometry.gram_matrices` and head defects. Each draw keeps
+    its output Gram's upper block rows (`head_grams.HeadGrams.out_rows`, what spares
+    `field_defect.message_grams` the messages) at any width while all draws' rows together
+    fit ``OUT_ROWS_BYTES`` (a Llama-3-8B shape: 33 MiB per draw, 264 MiB for 8 draws).
     """
     generator = torch.Generator(device=device).manual_seed(seed)
     keep = n_draws * (v_shape.numel() + o_shape.numel()) <= isometry.CHUNK_ENTRIES
+    n_heads, _, d_head = v_shape
+    row_bytes = d_head**2 * n_heads * (n_heads + 1) // 2 * torch.finfo(dtype).bits // 8
+    out_rows = n_draws * row_bytes <= OUT_ROWS_BYTES
     draws, kept = [], []
     for _ in range(n_draws):
         R_V, R_O = isometry.gaussian_factors(v_shape, o_shape, dtype, device, generator)
-        draws.append(compute_head_grams(R_V, R_O))  # not stored: this cache holds them
+        # not in the head-Gram store: this cache holds them
+        draws.append(head_grams.compute_head_grams(R_V, R_O, out_rows=out_rows))
         if keep:  # R_V laid out as W_V^cat [d_model, head d_head], what message Grams multiply
             kept.append((_values_major(R_V), R_O))
         del R_V, R_O  # before the next draw: one draw's factors alive at a time

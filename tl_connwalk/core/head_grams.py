@@ -69,9 +69,16 @@ class HeadGrams:
 
 
 def compute_head_grams(
-    W_V: Float[Tensor, "head d_model d_head"], W_O: Float[Tensor, "head d_head d_model"]
+    W_V: Float[Tensor, "head d_model d_head"],
+    W_O: Float[Tensor, "head d_head d_model"],
+    *,
+    out_rows: bool | None = None,
 ) -> HeadGrams:
     """`HeadGrams` of ``W_V``, ``W_O``, computed now (no store): ``O(H^3 d_head^3)``.
+
+    ``out_rows``: whether to keep the output Gram's upper block rows (``None``: where
+    ``H d_head <= OUT_GRAM_WIDTH``; `tl_connwalk.core.draws` keeps them at any width, since
+    one set serves every layer of a shape).
 
     >>> terms = compute_head_grams(torch.randn(3, 8, 2), torch.randn(3, 2, 8))
     >>> terms.K2.shape, terms.pair_gram.shape, terms.out_rows.shape  # out_rows: 2 * 2 * 3 * 4 / 2
@@ -80,16 +87,16 @@ def compute_head_grams(
     gram_v, gram_o = isometry.head_factor_grams(W_V, W_O)
     K2, K4 = isometry.grams_of_factor_grams(gram_v, gram_o)
     n_heads, _, d_head, _ = gram_o.shape
-    out_rows = None
-    if n_heads * d_head <= OUT_GRAM_WIDTH:
-        out_rows = field_defect.output_gram_rows(gram_o)
+    if out_rows is None:
+        out_rows = n_heads * d_head <= OUT_GRAM_WIDTH
+    rows = field_defect.output_gram_rows(gram_o) if out_rows else None
     del gram_v, gram_o
     return HeadGrams(
         norms_sq=K2.diagonal().clone(),
         K2=K2,
         pair_gram=isometry.fold_pairs(K4),
         head_defects=isometry.head_transport_defects(W_V, W_O),
-        out_rows=out_rows,
+        out_rows=rows,
     )
 
 
