@@ -236,8 +236,8 @@ def test_edge_blocks_split_the_edges_without_changing_them(monkeypatch):
     cuda = torch.device("cuda")
     assert iso._edge_block(torch.device("cpu"), rows) == 4
     width = iso._edge_block(cuda, rows)
-    assert width == iso.DEVICE_BLOCK_ENTRIES // ((1 + rows.n_pairs) * rows.families) > 4
-    assert (1 + rows.n_pairs) * rows.families * width <= iso.DEVICE_BLOCK_ENTRIES
+    assert width == iso.DEVICE_BLOCK_ENTRIES // (rows.outputs * rows.families) > 4
+    assert rows.outputs * rows.families * width <= iso.DEVICE_BLOCK_ENTRIES
     monkeypatch.setattr(iso, "DEVICE_BLOCK_ENTRIES", 1)
     assert iso._edge_block(cuda, rows) == 4
 

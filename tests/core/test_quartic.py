@@ -26,9 +26,12 @@ def direct_forms(g, K2, pair_gram):
 
 @pytest.mark.parametrize("n_heads", [1, 2, 3, 5, 12])
 @pytest.mark.parametrize("product_cost", [0, 860, 10**9])
-def test_forms_equal_the_dense_quadratic_forms(n_heads, product_cost, monkeypatch):
-    # product_cost 0: a range per second index; 1e9: one range for all; 860: the default
+@pytest.mark.parametrize("row_cost", [0, 9, 10**6])
+def test_forms_equal_the_dense_quadratic_forms(n_heads, product_cost, row_cost, monkeypatch):
+    # product_cost 0: a range per second index; 1e9: one range for all; 860: the default;
+    # row_cost 0: no range transposed; 1e6: every range with fewer columns than rows is
     monkeypatch.setattr(quartic, "PRODUCT_COST", product_cost)
+    monkeypatch.setattr(quartic, "ROW_COST", row_cost)
     generator = torch.Generator().manual_seed(n_heads)
     n_pairs, families, n_edges = n_heads * (n_heads + 1) // 2, 3, 37
     K2 = torch.randn(families, n_heads, n_heads, generator=generator, dtype=F64)
@@ -36,10 +39,14 @@ def test_forms_equal_the_dense_quadratic_forms(n_heads, product_cost, monkeypatc
     pair_gram = torch.randn(families, n_pairs, n_pairs, generator=generator, dtype=F64)
     g = torch.rand(n_heads, n_edges, generator=generator, dtype=F64)
     rows = quartic.quartic_rows(K2, pair_gram)
-    if product_cost == 0 and n_heads > 1:
+    if product_cost == 0 and row_cost == 0 and n_heads > 1:
         assert len(rows.ranges) == n_heads
     if product_cost == 10**9:
-        assert rows.ranges == ((0, n_heads),)
+        assert [(part.b0, part.b1) for part in rows.ranges] == [(0, n_heads)]
+    if row_cost == 0:
+        assert not any(part.transposed for part in rows.ranges)
+    if row_cost == 10**6 and product_cost == 0 and n_heads >= 5:
+        assert rows.ranges[-1].transposed
     expected = direct_forms(g, K2, pair_gram)
     for step in (n_edges, 8):  # one block, and several with a partial last one
         for got, want in zip(quartic.forms(g, rows, step), expected, strict=True):
@@ -59,19 +66,27 @@ def test_each_monomial_has_one_coefficient(n_heads):
     assert sum(block.sum() for block in rows.blocks) == n_pairs**2
 
 
+def sizes(n_heads, b0, b1):
+    """Row pairs (with the k row in the first range) and column pairs of a range."""
+    n_pairs = n_heads * (n_heads + 1) // 2
+    rows = b1 * (b1 + 1) // 2 - b0 * (b0 + 1) // 2 + (b0 == 0)
+    return rows, n_pairs - sum(n_heads - a for a in range(b0))
+
+
 @pytest.mark.parametrize("n_heads", [1, 2, 4, 7])
 @pytest.mark.parametrize("families", [1, 3])
-def test_ranges_are_the_cheapest_cuts(n_heads, families):
-    n_pairs = n_heads * (n_heads + 1) // 2
+def test_ranges_are_the_cheapest_cuts_and_orientations(n_heads, families):
+    def cost(b0, b1, transposed):
+        rows, columns = sizes(n_heads, b0, b1)
+        outputs = columns if transposed else rows
+        return quartic.PRODUCT_COST + families * (rows * columns + quartic.ROW_COST * outputs)
 
-    def cost(b0, b1):
-        rows = families * (b1 * (b1 + 1) // 2 - b0 * (b0 + 1) // 2 + (b0 == 0))
-        columns = n_pairs - sum(n_heads - a for a in range(b0))
-        return quartic.PRODUCT_COST + rows * (columns + quartic.ROW_COST)
+    def best_cost(b0, b1):  # the first range keeps its k row: never transposed
+        return min(cost(b0, b1, t) for t in ((False,) if b0 == 0 else (False, True)))
 
     def total(cuts):
         bounds = (0, *cuts, n_heads)
-        return sum(cost(b0, b1) for b0, b1 in itertools.pairwise(bounds))
+        return sum(best_cost(b0, b1) for b0, b1 in itertools.pairwise(bounds))
 
     best = min(
         total(cuts)
@@ -79,20 +94,19 @@ def test_ranges_are_the_cheapest_cuts(n_heads, families):
         for cuts in itertools.combinations(range(1, n_heads), size)
     )
     ranges = quartic._ranges(n_heads, families)
-    assert ranges[0][0] == 0 and ranges[-1][1] == n_heads
-    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
-    assert sum(cost(b0, b1) for b0, b1 in ranges) == best
+    assert ranges[0].b0 == 0 and ranges[-1].b1 == n_heads and not ranges[0].transposed
+    assert all(a.b1 == b.b0 for a, b in itertools.pairwise(ranges))
+    assert sum(cost(*part) for part in ranges) == best
 
 
 def test_fewer_products_than_the_triangle_for_many_heads():
     # GPT-2 small (12 heads) and Llama-3-8B (32) with two draws: the multiply-adds per family
     # and edge against the upper triangle of F (plus the k row)
-    for n_heads, bound in ((12, 2000), (32, 60000)):
+    for n_heads, bound in ((12, 2300), (32, 60000)):
         n_pairs = n_heads * (n_heads + 1) // 2
         ranges = quartic._ranges(n_heads, 3)
-        work = sum(
-            (b1 * (b1 + 1) // 2 - b0 * (b0 + 1) // 2 + (b0 == 0))
-            * (n_pairs - sum(n_heads - a for a in range(b0)))
-            for b0, b1 in ranges
-        )
+        work = sum(math.prod(sizes(n_heads, part.b0, part.b1)) for part in ranges)
         assert work <= bound < n_pairs * (n_pairs + 1) // 2
+        # the products' outputs: fewer than one per pair where ranges run transposed
+        zeros = torch.zeros(3, n_heads, n_heads), torch.zeros(3, n_pairs, n_pairs)
+        assert quartic.quartic_rows(*zeros).outputs < 1 + n_pairs

@@ -432,12 +432,12 @@ def fold_pairs(K4: Float[Tensor, "head head head head"]) -> Float[Tensor, "pair 
 
 def _edge_block(device: torch.device, rows: QuarticRows) -> int:
     """Edges per block of `_family_gram_defects`: ``EDGE_BLOCK`` on the CPU; elsewhere as many
-    as fill ``DEVICE_BLOCK_ENTRIES`` numbers of products (``1 + P`` per family and edge;
-    GPT-2 small with two draws: 283k edges, 256 MiB in float32), at least ``EDGE_BLOCK``.
+    as fill ``DEVICE_BLOCK_ENTRIES`` numbers of products (``QuarticRows.outputs`` per family and
+    edge), at least ``EDGE_BLOCK``.
     """
     if device.type == "cpu":
         return EDGE_BLOCK
-    return max(EDGE_BLOCK, DEVICE_BLOCK_ENTRIES // ((1 + rows.n_pairs) * rows.families))
+    return max(EDGE_BLOCK, DEVICE_BLOCK_ENTRIES // (rows.outputs * rows.families))
 
 
 def _family_gram_defects(g: Tensor, rows: QuarticRows, rank: int) -> tuple[Tensor, Tensor]:

@@ -19,14 +19,19 @@ each monomial (the sum of the entries of ``F`` that multiply it)::
 In `head_pairs` order (first index major) the column pairs with ``c >= b`` are a suffix, from
 ``(b, b)`` on. The rows are taken by their second index ``b``; a range ``[b0, b1)`` of it is
 one matrix product of its coefficient rows (zero where ``c < b``) with the suffix from
-``(b0, b0)`` (`QuarticRows`). The ranges are chosen once per head count and number of
-families (`_ranges`) by a cost model of those products, measured on one CPU thread: about 2.2x
-fewer multiply-adds than the upper triangle of ``F`` for ``H = 12`` (1768 against 3920 per
-family and edge), 2.3x for ``H = 32``.
+``(b0, b0)``, or, where the range has fewer column pairs than row pairs, of the transposed
+coefficients with the row pairs' products (`QuarticRows`): each product writes one row per
+output pair and family, and those rows, not the multiply-adds, are most of its time on a CPU.
+The ranges and their orientations are chosen once per head count and number of families
+(`_ranges`) by a cost model of those products, measured on one CPU thread. For ``H = 12`` and
+three families: 3 ranges, 2214 multiply-adds per family and edge and 46 output rows, against
+3920 and 78 through the upper block triangle of ``F``; for ``H = 32``: 16 ranges, 56134
+against 143616 multiply-adds, 370 against 528 rows.
 """
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import torch
 from einops import rearrange
@@ -51,26 +56,49 @@ def _suffix_start(n_heads: int, b: int) -> int:
     return b * n_heads - b * (b - 1) // 2
 
 
-def _ranges(n_heads: int, families: int) -> tuple[tuple[int, int], ...]:
-    """The ranges ``[b0, b1)`` of second indices that minimise the cost model's sum.
+class _Range(NamedTuple):
+    """Row pairs with second index in ``[b0, b1)`` against the column pairs from ``(b0, b0)``.
 
-    A range has ``b1 (b1 + 1) / 2 - b0 (b0 + 1) / 2`` row pairs (plus the ``k`` row in the
-    first), ``families`` rows each, and ``P - suffix_start(b0)`` columns. Dynamic programming
-    over the cut points, ``O(H^2)``.
+    ``transposed``: the product runs the other way round (coefficients transposed, times the
+    row pairs' products), so that it outputs one row per *column* pair, the fewer here.
+    """
+
+    b0: int
+    b1: int
+    transposed: bool
+
+    def row_pairs(self) -> slice:
+        """The range's row pairs, as positions in `_layout`'s ``rows`` order."""
+        return slice(self.b0 * (self.b0 + 1) // 2, self.b1 * (self.b1 + 1) // 2)
+
+
+def _ranges(n_heads: int, families: int) -> tuple[_Range, ...]:
+    """The ranges of second indices, and their orientations, that minimise the cost model.
+
+    A range ``[b0, b1)`` has ``b1 (b1 + 1) / 2 - b0 (b0 + 1) / 2`` row pairs (plus the ``k``
+    row in the first, which is never transposed) and ``P - suffix_start(b0)`` column pairs;
+    its product outputs ``families`` rows per row pair, or per column pair when transposed.
+    Dynamic programming over the cut points, ``O(H^2)``.
     """
     n_pairs = n_heads * (n_heads + 1) // 2
 
-    def cost(b0: int, b1: int) -> int:
-        rows = families * (b1 * (b1 + 1) // 2 - b0 * (b0 + 1) // 2 + (b0 == 0))
-        return PRODUCT_COST + rows * (n_pairs - _suffix_start(n_heads, b0) + ROW_COST)
+    def cost(b0: int, b1: int) -> tuple[int, bool]:
+        rows = b1 * (b1 + 1) // 2 - b0 * (b0 + 1) // 2 + (b0 == 0)
+        columns = n_pairs - _suffix_start(n_heads, b0)
+        options = [(rows, False)] if b0 == 0 else [(rows, False), (columns, True)]
+        return min(
+            (PRODUCT_COST + families * (rows * columns + ROW_COST * outputs), transposed)
+            for outputs, transposed in options
+        )
 
     best, cut = [0] + [0] * n_heads, [0] * (n_heads + 1)
     for b1 in range(1, n_heads + 1):
-        best[b1], cut[b1] = min((best[b0] + cost(b0, b1), b0) for b0 in range(b1))
+        best[b1], cut[b1] = min((best[b0] + cost(b0, b1)[0], b0) for b0 in range(b1))
     ranges, b1 = [], n_heads
     while b1 > 0:
-        ranges.append((cut[b1], b1))
-        b1 = cut[b1]
+        b0 = cut[b1]
+        ranges.append(_Range(b0, b1, cost(b0, b1)[1]))
+        b1 = b0
     return tuple(reversed(ranges))
 
 
@@ -102,16 +130,19 @@ def _layout(n_heads: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]
 class QuarticRows:
     """Several families' ``K2`` and folded ``K4`` as the coefficient blocks of `forms`.
 
-    ``blocks[k]`` holds, for the ``k``-th range ``[b0, b1)`` of ``ranges``, the monomial
-    coefficients of its row pairs (in ``rows`` order) against the column pairs from
-    ``(b0, b0)`` on, rows ``(pair family)``-major; the first block starts with one row per
-    family of ``k`` (``k_{ac} = K2[a,c] + K2[c,a]``, ``K2[a,a]`` on the diagonal), so the same
-    product gives ``s2 = k . u``.
+    ``blocks[k]`` holds, for the ``k``-th range of ``ranges``, the monomial coefficients of
+    its row pairs (in ``rows`` order) against the column pairs from ``(b0, b0)`` on, rows
+    ``(pair family)``-major, or their transpose (one row per column pair) where the range is
+    ``transposed``; the first block starts with one row per family of ``k`` (``k_{ac} =
+    K2[a,c] + K2[c,a]``, ``K2[a,a]`` on the diagonal), so the same product gives
+    ``s2 = k . u``. ``multiplier`` lists, for every output row after that, the pair whose
+    product multiplies it.
     """
 
     blocks: tuple[Tensor, ...]
-    ranges: tuple[tuple[int, int], ...]
+    ranges: tuple[_Range, ...]
     rows: Tensor
+    multiplier: Tensor
     families: int
     n_heads: int
 
@@ -119,10 +150,10 @@ class QuarticRows:
     def n_pairs(self) -> int:
         return self.n_heads * (self.n_heads + 1) // 2
 
-    def block_rows(self, k: int) -> slice:
-        """Rows of range ``k``'s products in `forms`' ``[1 + P, family, edge]`` buffer."""
-        b0, b1 = self.ranges[k]
-        return slice(0 if b0 == 0 else 1 + b0 * (b0 + 1) // 2, 1 + b1 * (b1 + 1) // 2)
+    @property
+    def outputs(self) -> int:
+        """Products per family and edge in `forms`' buffer: ``s2``, then one per output row."""
+        return 1 + self.multiplier.numel()
 
 
 def quartic_rows(K2: Tensor, pair_gram: Tensor) -> QuarticRows:
@@ -138,14 +169,19 @@ def quartic_rows(K2: Tensor, pair_gram: Tensor) -> QuarticRows:
         first == second, K2[:, first, second], K2[:, first, second] + K2[:, second, first]
     )
     ranges = _ranges(n_heads, families)
-    blocks = []
-    for b0, b1 in ranges:
-        block = coefficients[:, rows[b0 * (b0 + 1) // 2 : b1 * (b1 + 1) // 2]]
-        block = block[:, :, _suffix_start(n_heads, b0) :]
-        if b0 == 0:
+    blocks, multiplier = [], []
+    for part in ranges:
+        suffix = _suffix_start(n_heads, part.b0)
+        block = coefficients[:, rows[part.row_pairs()], suffix:]
+        if part.transposed:
+            blocks.append(rearrange(block, "family p q -> (q family) p").contiguous())
+            multiplier.append(torch.arange(suffix, n_pairs, device=K2.device))
+            continue
+        if part.b0 == 0:
             block = torch.cat([k[:, None], block], dim=1)
         blocks.append(rearrange(block, "family p q -> (p family) q").contiguous())
-    return QuarticRows(tuple(blocks), ranges, rows, families, n_heads)
+        multiplier.append(rows[part.row_pairs()])
+    return QuarticRows(tuple(blocks), ranges, rows, torch.cat(multiplier), families, n_heads)
 
 
 def forms(g: Tensor, rows: QuarticRows, step: int) -> tuple[Tensor, Tensor]:
@@ -153,16 +189,18 @@ def forms(g: Tensor, rows: QuarticRows, step: int) -> tuple[Tensor, Tensor]:
     ``[family, edge]``, from the gates ``g`` ``[head, edge]``, ``step`` edges at a time.
 
     Per block of edges: the pair products ``u`` (`head_pairs` order) and their rows in
-    ``rows.rows`` order, one matrix product per range into one ``[1 + P, family, edge]``
-    buffer (slot 0: ``s2``), then one multiply-and-sum over its pairs.
+    ``rows.rows`` order, one matrix product per range (times the column pairs' products, or
+    the row pairs' where transposed) into one ``[outputs, family, edge]`` buffer (slot 0:
+    ``s2``), then one multiply-and-sum by the ``multiplier`` pairs' products.
     """
     n_heads, n_edges = g.shape
-    families, n_pairs = rows.families, rows.n_pairs
+    families, n_pairs, n_out = rows.families, rows.n_pairs, rows.outputs - 1
     s4, s2 = g.new_empty(families, n_edges), g.new_empty(families, n_edges)
     width = min(step, n_edges)
     # flat buffers for every block, viewed contiguously at each block's size
     columns, by_row = g.new_empty(n_pairs * width), g.new_empty(n_pairs * width)
-    products = g.new_empty((1 + n_pairs) * families * width)
+    multipliers = g.new_empty(n_out * width)
+    products = g.new_empty(rows.outputs * families * width)
     for start in range(0, n_edges, step):
         block = g[:, start : start + step]
         size = block.shape[1]
@@ -173,14 +211,19 @@ def forms(g: Tensor, rows: QuarticRows, step: int) -> tuple[Tensor, Tensor]:
             torch.mul(block[a : a + 1], block[a:], out=u[at : at + n_heads - a])
             at += n_heads - a
         torch.index_select(u, 0, rows.rows, out=u_rows)
-        mixed = products[: (1 + n_pairs) * families * size].view(1 + n_pairs, families, size)
-        for k, coefficients in enumerate(rows.blocks):
-            b0 = rows.ranges[k][0]
-            torch.mm(
-                coefficients,
-                u[_suffix_start(n_heads, b0) :],
-                out=mixed[rows.block_rows(k)].view(-1, size),
+        mixed = products[: rows.outputs * families * size].view(rows.outputs, families, size)
+        at = 0
+        for part, coefficients in zip(rows.ranges, rows.blocks, strict=True):
+            factor = (
+                u_rows[part.row_pairs()]
+                if part.transposed
+                else u[_suffix_start(n_heads, part.b0) :]
             )
+            height = coefficients.shape[0] // families
+            torch.mm(coefficients, factor, out=mixed[at : at + height].view(-1, size))
+            at += height
+        by = multipliers[: n_out * size].view(n_out, size)
+        torch.index_select(u, 0, rows.multiplier, out=by)
         s2[:, start : start + size] = mixed[0]
-        s4[:, start : start + size] = mixed[1:].mul_(u_rows[:, None]).sum(0)
+        s4[:, start : start + size] = mixed[1:].mul_(by[:, None]).sum(0)
     return s4, s2
