@@ -82,8 +82,7 @@ def raw_draws(
     """
     generator = torch.Generator(device=device).manual_seed(seed)
     keep = n_draws * (v_shape.numel() + o_shape.numel()) <= isometry.CHUNK_ENTRIES
-    n_heads, _, d_head = v_shape
-    row_bytes = d_head**2 * n_heads * (n_heads + 1) // 2 * torch.finfo(dtype).bits // 8
+    row_bytes = field_defect.output_gram_rows_numel(v_shape[0], v_shape[2]) * dtype.itemsize
     out_rows = n_draws * row_bytes <= OUT_ROWS_BYTES
     draws, kept = [], []
     for _ in range(n_draws):

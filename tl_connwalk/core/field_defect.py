@@ -73,9 +73,19 @@ def output_gram_rows(
     return torch.cat([rearrange(out_blocks[a, a:], "b p q -> (p b q)") for a in range(n_heads)])
 
 
+def output_gram_rows_numel(n_heads: int, d_head: int) -> int:
+    """Numbers `output_gram_rows` packs for ``n_heads`` heads of ``d_head``:
+    ``d_head^2 H (H + 1) / 2``.
+
+    >>> output_gram_rows_numel(3, 2)
+    24
+    """
+    return d_head * d_head * n_heads * (n_heads + 1) // 2
+
+
 def _gram_rows(out_rows: Tensor, n_heads: int, d_head: int) -> list[Tensor]:
     """Views of the row blocks packed by `output_gram_rows`, each ``[d_head, (H - a) d_head]``."""
-    expected = d_head * d_head * n_heads * (n_heads + 1) // 2
+    expected = output_gram_rows_numel(n_heads, d_head)
     if out_rows.shape != (expected,):
         raise ConnWalkError(
             f"out_rows {tuple(out_rows.shape)} must be [{expected}]: the upper block rows of "

@@ -73,6 +73,14 @@ class _Range(NamedTuple):
 
 
 def _ranges(n_heads: int, families: int) -> tuple[_Range, ...]:
+    """`_cheapest_ranges` under the current ``PRODUCT_COST`` and ``ROW_COST``."""
+    return _cheapest_ranges(n_heads, families, PRODUCT_COST, ROW_COST)
+
+
+@functools.lru_cache(maxsize=16)
+def _cheapest_ranges(
+    n_heads: int, families: int, product_cost: int, row_cost: int
+) -> tuple[_Range, ...]:
     """The ranges of second indices, and their orientations, that minimise the cost model.
 
     A range ``[b0, b1)`` has ``b1 (b1 + 1) / 2 - b0 (b0 + 1) / 2`` row pairs (plus the ``k``
@@ -87,7 +95,7 @@ def _ranges(n_heads: int, families: int) -> tuple[_Range, ...]:
         columns = n_pairs - _suffix_start(n_heads, b0)
         options = [(rows, False)] if b0 == 0 else [(rows, False), (columns, True)]
         return min(
-            (PRODUCT_COST + families * (rows * columns + ROW_COST * outputs), transposed)
+            (product_cost + families * (rows * columns + row_cost * outputs), transposed)
             for outputs, transposed in options
         )
 
@@ -131,29 +139,30 @@ class QuarticRows:
     """Several families' ``K2`` and folded ``K4`` as the coefficient blocks of `forms`.
 
     ``blocks[k]`` holds, for the ``k``-th range of ``ranges``, the monomial coefficients of
-    its row pairs (in ``rows`` order) against the column pairs from ``(b0, b0)`` on, rows
-    ``(pair family)``-major, or their transpose (one row per column pair) where the range is
-    ``transposed``; the first block starts with one row per family of ``k`` (``k_{ac} =
-    K2[a,c] + K2[c,a]``, ``K2[a,a]`` on the diagonal), so the same product gives
-    ``s2 = k . u``. ``multiplier`` lists, for every output row after that, the pair whose
-    product multiplies it.
+    its row pairs against the column pairs from ``(b0, b0)`` on, rows ``(pair family)``-major,
+    or their transpose (one row per column pair) where the range is ``transposed``; the first
+    block starts with one row per family of ``k`` (``k_{ac} = K2[a,c] + K2[c,a]``, ``K2[a,a]``
+    on the diagonal), so the same product gives ``s2 = k . u``.
+
+    ``gathered`` lists the pair products `forms` gathers in one pass: first the
+    ``n_multipliers`` pairs whose products multiply the output rows after ``s2`` (a normal
+    range's row pairs, a transposed range's column pairs), then each transposed range's row
+    pairs, the factor of its product (at ``inputs[k]``; ``None`` for a normal range, whose
+    factor is the column suffix of ``u`` itself).
     """
 
     blocks: tuple[Tensor, ...]
     ranges: tuple[_Range, ...]
-    rows: Tensor
-    multiplier: Tensor
+    gathered: Tensor
+    inputs: tuple[slice | None, ...]
+    n_multipliers: int
     families: int
     n_heads: int
 
     @property
-    def n_pairs(self) -> int:
-        return self.n_heads * (self.n_heads + 1) // 2
-
-    @property
     def outputs(self) -> int:
         """Products per family and edge in `forms`' buffer: ``s2``, then one per output row."""
-        return 1 + self.multiplier.numel()
+        return 1 + self.n_multipliers
 
 
 def quartic_rows(K2: Tensor, pair_gram: Tensor) -> QuarticRows:
@@ -169,61 +178,67 @@ def quartic_rows(K2: Tensor, pair_gram: Tensor) -> QuarticRows:
         first == second, K2[:, first, second], K2[:, first, second] + K2[:, second, first]
     )
     ranges = _ranges(n_heads, families)
-    blocks, multiplier = [], []
+    blocks, multipliers = [], []
+    factors: list[Tensor | None] = []  # a transposed range's row pairs: its product's factor
     for part in ranges:
         suffix = _suffix_start(n_heads, part.b0)
-        block = coefficients[:, rows[part.row_pairs()], suffix:]
+        row_pairs = rows[part.row_pairs()]
+        block = coefficients[:, row_pairs, suffix:]
         if part.transposed:
             blocks.append(rearrange(block, "family p q -> (q family) p").contiguous())
-            multiplier.append(torch.arange(suffix, n_pairs, device=K2.device))
+            multipliers.append(torch.arange(suffix, n_pairs, device=K2.device))
+            factors.append(row_pairs)
             continue
         if part.b0 == 0:
             block = torch.cat([k[:, None], block], dim=1)
         blocks.append(rearrange(block, "family p q -> (p family) q").contiguous())
-        multiplier.append(rows[part.row_pairs()])
-    return QuarticRows(tuple(blocks), ranges, rows, torch.cat(multiplier), families, n_heads)
+        multipliers.append(row_pairs)
+        factors.append(None)
+    n_multipliers = sum(m.numel() for m in multipliers)
+    inputs, at = [], n_multipliers
+    for factor in factors:
+        inputs.append(None if factor is None else slice(at, at + factor.numel()))
+        at += 0 if factor is None else factor.numel()
+    gathered = torch.cat(multipliers + [f for f in factors if f is not None])
+    return QuarticRows(
+        tuple(blocks), ranges, gathered, tuple(inputs), n_multipliers, families, n_heads
+    )
 
 
 def forms(g: Tensor, rows: QuarticRows, step: int) -> tuple[Tensor, Tensor]:
     """``s4 = u^T F u`` and ``s2 = g^T K2 g`` of each family on every edge: two
     ``[family, edge]``, from the gates ``g`` ``[head, edge]``, ``step`` edges at a time.
 
-    Per block of edges: the pair products ``u`` (`head_pairs` order) and their rows in
-    ``rows.rows`` order, one matrix product per range (times the column pairs' products, or
-    the row pairs' where transposed) into one ``[outputs, family, edge]`` buffer (slot 0:
-    ``s2``), then one multiply-and-sum by the ``multiplier`` pairs' products.
+    Per block of edges: the pair products ``u`` (`head_pairs` order), one gather of the
+    products `QuarticRows.gathered` lists, one matrix product per range (times the column
+    pairs' products, or the row pairs' where transposed) into one ``[outputs, family, edge]``
+    buffer (slot 0: ``s2``), then one multiply-and-sum by the multipliers' products.
     """
     n_heads, n_edges = g.shape
-    families, n_pairs, n_out = rows.families, rows.n_pairs, rows.outputs - 1
+    families, n_gathered = rows.families, rows.gathered.numel()
+    n_pairs = n_heads * (n_heads + 1) // 2
     s4, s2 = g.new_empty(families, n_edges), g.new_empty(families, n_edges)
     width = min(step, n_edges)
     # flat buffers for every block, viewed contiguously at each block's size
-    columns, by_row = g.new_empty(n_pairs * width), g.new_empty(n_pairs * width)
-    multipliers = g.new_empty(n_out * width)
+    columns, picked = g.new_empty(n_pairs * width), g.new_empty(n_gathered * width)
     products = g.new_empty(rows.outputs * families * width)
     for start in range(0, n_edges, step):
         block = g[:, start : start + step]
         size = block.shape[1]
         u = columns[: n_pairs * size].view(n_pairs, size)
-        u_rows = by_row[: n_pairs * size].view(n_pairs, size)
         at = 0
         for a in range(n_heads):  # u_{ac} = g^a g^c for c >= a, in `head_pairs` order
             torch.mul(block[a : a + 1], block[a:], out=u[at : at + n_heads - a])
             at += n_heads - a
-        torch.index_select(u, 0, rows.rows, out=u_rows)
+        gathered = picked[: n_gathered * size].view(n_gathered, size)
+        torch.index_select(u, 0, rows.gathered, out=gathered)
         mixed = products[: rows.outputs * families * size].view(rows.outputs, families, size)
         at = 0
-        for part, coefficients in zip(rows.ranges, rows.blocks, strict=True):
-            factor = (
-                u_rows[part.row_pairs()]
-                if part.transposed
-                else u[_suffix_start(n_heads, part.b0) :]
-            )
+        for part, coefficients, inputs in zip(rows.ranges, rows.blocks, rows.inputs, strict=True):
+            factor = u[_suffix_start(n_heads, part.b0) :] if inputs is None else gathered[inputs]
             height = coefficients.shape[0] // families
             torch.mm(coefficients, factor, out=mixed[at : at + height].view(-1, size))
             at += height
-        by = multipliers[: n_out * size].view(n_out, size)
-        torch.index_select(u, 0, rows.multiplier, out=by)
         s2[:, start : start + size] = mixed[0]
-        s4[:, start : start + size] = mixed[1:].mul_(by[:, None]).sum(0)
+        s4[:, start : start + size] = mixed[1:].mul_(gathered[: rows.n_multipliers, None]).sum(0)
     return s4, s2
