@@ -25,7 +25,7 @@ from tests.architectures import (
     tokens,
 )
 from tests.core.problems import Problem, random_problem
-from tests.core.test_draws import ATOL, reference_baselines, residual_of
+from tests.core.test_draws import ATOL, KEYED, field_reference, reference_baselines, residual_of
 from tests.tolerances import assert_close
 from tl_connwalk import LaplacianResidual
 from tl_connwalk.core import draws
@@ -108,6 +108,22 @@ def test_baselines_on_cuda_equal_fresh_draws_per_measurement(dtype, exclude_sink
         torch.testing.assert_close(
             res.baseline[name].draws, base.draws, atol=ATOL[dtype], rtol=0, msg=name
         )
+
+
+@pytest.mark.parametrize("exclude_sink", [False, True])
+def test_field_draws_through_the_keys_factor_on_cuda_equal_explicit_value_factors(exclude_sink):
+    """The keys' route on CUDA (`draws.key_factor`, `draws.key_draws`, CUDA generators):
+    the field baseline equals the slow measurement of the Gaussian value factors it stands
+    for, built on CUDA (`tests.core.test_draws.field_reference`); float64, 1e-10."""
+    draws.raw_draws.cache_clear()
+    draws.key_draws.cache_clear()
+    p = random_problem(seed=4, **KEYED)
+    p = dataclasses.replace(p, **{f.name: getattr(p, f.name).to(CUDA) for f in FIELDS})
+    assert draws.key_factor(p.field, 3, 12) is not None
+    res = residual_of(p, baseline_draws=3, seed=11, exclude_sink=exclude_sink)
+    expected = field_reference(p, 3, 11, exclude_sink)
+    assert res.baseline["field_defect"].draws.device.type == CUDA.type
+    torch.testing.assert_close(res.baseline["field_defect"].draws, expected, atol=1e-10, rtol=0)
 
 
 def test_wide_edge_blocks_on_cuda_equal_the_cpu():

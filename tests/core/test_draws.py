@@ -6,6 +6,7 @@ shared draws rescale Grams computed once, so they agree to rounding: 1e-10 absol
 float64 on defects in [0, 1], 1e-5 in float32.
 """
 
+import dataclasses
 import functools
 import inspect
 import json
@@ -229,3 +230,167 @@ def test_a_walk_measures_its_weights_once_and_again_after_an_edit(monkeypatch):
     torch.testing.assert_close(
         edited.transport_defect, changed.laplacian_residual(baseline_draws=2).transport_defect
     )
+
+
+# --- the field draws through the keys' Cholesky factor (`draws.key_factor`, `key_draws`) ---
+#
+# Reference: the explicit Gaussian value factor the route stands for. With ``X = L Q^T``
+# (``Q = X^T L^-T``) and ``Q_perp`` completing ``Q``, ``Z = Q Y + Q_perp Y_perp`` is standard
+# Gaussian when ``Y``, ``Y_perp`` are; the test draws both again from the route's seeds, builds
+# ``Z`` and measures it the slow way (`field_defect.field_isometry_defect` on explicit factors
+# scaled to the layer's head norms). Agreement: 1e-10 in float64.
+
+KEYED = dict(batch=1, heads=3, pos=6, d_model=24, d_head=4, causal=True)
+
+
+def implied_value_factors(p, n_draws, seed):
+    """Each field draw's explicit ``(W_V', W_O')``: ``Z`` from the route's seeds, then both
+    factors scaled by ``sqrt(s_h)`` to the layer's ``||T^h||_F`` as `random_head_factors`
+    does."""
+    keys = p.field.reshape(-1, p.field.shape[-1])
+    n_keys, d_model = keys.shape
+    n_heads, _, d_head = p.W_V.shape
+    L = torch.linalg.cholesky(keys @ keys.T)
+    Q = torch.linalg.solve_triangular(L, keys, upper=False).T  # X^T L^-T: [d_model, n_keys]
+    device = keys.device
+    spare = torch.randn(d_model, d_model, dtype=Q.dtype, device=device)
+    Q_perp = torch.linalg.qr(torch.cat([Q, spare], 1)).Q[:, n_keys:]  # completes Q
+    values = torch.Generator(device).manual_seed(draws._key_seed(seed, n_keys, "values"))
+    perp = torch.Generator(device).manual_seed(draws._key_seed(seed, n_keys, "perp"))
+    raw = draws.raw_draws(p.W_V.shape, p.W_O.shape, p.W_V.dtype, p.W_V.device, seed, n_draws)
+    target = iso.head_norms_sq(p.W_V, p.W_O)
+    for _, R_O in raw.factors():
+        Y = torch.randn(
+            n_keys, n_heads * d_head, dtype=p.W_V.dtype, device=device, generator=values
+        )
+        Y_perp = torch.cat([
+            torch.randn(len(range(d_model - n_keys)[rows]), n_heads * d_head,
+                        dtype=p.W_V.dtype, device=device, generator=perp)
+            for rows in iso._query_chunks(d_model - n_keys, n_heads * d_head)
+        ])  # fmt: skip
+        Z = Q @ Y + Q_perp @ Y_perp
+        torch.testing.assert_close(keys @ Z, L @ Y, atol=1e-10, rtol=0)  # X Z = L Y
+        R_V = Z.view(d_model, n_heads, d_head).permute(1, 0, 2)
+        factor = iso.draw_scales(target, iso.head_norms_sq(R_V, R_O)).sqrt()[:, None, None]
+        yield R_V * factor, R_O * factor
+
+
+def field_reference(p, n_draws, seed, exclude_sink=False):
+    return torch.stack([
+        field_defect.field_isometry_defect(
+            p.field, p.walk, p.gates, V, O_, exclude_sink=exclude_sink
+        )
+        for V, O_ in implied_value_factors(p, n_draws, seed)
+    ])  # fmt: skip
+
+
+@pytest.mark.parametrize("exclude_sink", [False, True])
+@pytest.mark.parametrize("small_chunks", [False, True])
+def test_field_draws_through_the_keys_factor_equal_explicit_gaussian_value_factors(
+    exclude_sink, small_chunks, monkeypatch
+):
+    """The route's field baseline == the slow measurement of the Gaussian ``Z`` it stands
+    for; with small chunks ``Y`` is not kept (drawn again) and ``Y_perp`` comes in blocks."""
+    if small_chunks:
+        monkeypatch.setattr(iso, "CHUNK_ENTRIES", 40)
+    draws.raw_draws.cache_clear()
+    draws.key_draws.cache_clear()
+    p = random_problem(seed=4, **KEYED)
+    res = residual_of(p, baseline_draws=3, seed=11, exclude_sink=exclude_sink)
+    keyed = draws.key_draws(p.W_V.shape, p.W_O.shape, p.W_V.dtype, p.W_V.device, 11, 3, 6)
+    assert draws.key_draws.cache_info().hits == 1  # the residual made it
+    assert (keyed.kept is None) == small_chunks
+    torch.testing.assert_close(
+        res.baseline["field_defect"].draws,
+        field_reference(p, 3, 11, exclude_sink),
+        atol=1e-10,
+        rtol=0,
+    )
+    # the weight-only baselines keep the raw draws of `isometry.random_baselines`
+    for name, base in reference_baselines(p, 3, 11, exclude_sink).items():
+        if name != "field_defect":
+            torch.testing.assert_close(res.baseline[name].draws, base.draws, atol=1e-10, rtol=0)
+
+
+def test_field_draws_through_the_keys_factor_without_kept_output_gram_rows(monkeypatch):
+    """Raw draws without output-Gram rows: the route's messages go through ``R_O``."""
+    monkeypatch.setattr(draws, "OUT_ROWS_BYTES", 0)
+    draws.raw_draws.cache_clear()
+    draws.key_draws.cache_clear()
+    p = random_problem(seed=5, **KEYED)
+    raw = draws.raw_draws(p.W_V.shape, p.W_O.shape, p.W_V.dtype, p.W_V.device, 2, 2)
+    assert all(draw.out_rows is None for draw in raw.draws)
+    res = residual_of(p, baseline_draws=2, seed=2)
+    torch.testing.assert_close(
+        res.baseline["field_defect"].draws, field_reference(p, 2, 2), atol=1e-10, rtol=0
+    )
+
+
+def test_the_keys_route_draws_the_same_distribution_as_the_direct_one(monkeypatch):
+    """Over 160 draws each, the field baseline's mean through the keys' factor and through
+    ``X R_V`` agree within four standard errors, and their spreads within 25%."""
+    draws.raw_draws.cache_clear()
+    p = random_problem(seed=6, **KEYED)
+    walk = ConnectionWalk.from_pattern(p.pattern, p.field, p.W_V, p.W_O)
+    keyed = walk.laplacian_residual(baseline_draws=160, seed=1).baseline["field_defect"]
+    monkeypatch.setattr(draws, "KEY_ROUTE_SHARE", 0.0)  # the direct route
+    walk = ConnectionWalk.from_pattern(p.pattern, p.field, p.W_V, p.W_O)
+    direct = walk.laplacian_residual(baseline_draws=160, seed=2).baseline["field_defect"]
+    error = ((keyed.std**2 + direct.std**2) / 160).sqrt()
+    assert ((keyed.mean - direct.mean).abs() < 4 * error).all()
+    assert (keyed.std / direct.std > 0.8).all() and (keyed.std / direct.std < 1.25).all()
+
+
+@pytest.mark.parametrize("case", ["zero key", "more keys than d_model", "too many keys", "direct"])
+def test_the_field_draws_multiply_the_values_where_the_keys_route_does_not_apply(case, monkeypatch):
+    """No ``L``: a zero key or more keys than ``d_model`` (``X X^T`` singular: the
+    factorisation fails), more keys than pay off, or the route switched off: the field
+    baseline is `isometry.random_baselines`' own."""
+    draws.raw_draws.cache_clear()
+    draws.key_draws.cache_clear()
+    p = random_problem(seed=7, **{**KEYED, "pos": 30 if case == "more keys than d_model" else 6})
+    if case == "zero key":
+        field = p.field.clone()
+        field[0, 2] = 0.0
+        p = dataclasses.replace(p, field=field)
+    elif case == "more keys than d_model":  # 30 keys in 24 dimensions, the route paid for
+        monkeypatch.setattr(draws, "KEY_ROUTE_SHARE", 10.0)
+    elif case == "too many keys":  # 6 (24 + 2 12) / (2 24 12) = 0.5
+        monkeypatch.setattr(draws, "KEY_ROUTE_SHARE", 0.45)
+    else:
+        monkeypatch.setattr(draws, "KEY_ROUTE_SHARE", 0.0)
+    assert draws.key_factor(p.field, 2, 12) is None
+    res = residual_of(p, baseline_draws=2, seed=3)
+    expected = reference_baselines(p, 2, 3)["field_defect"]
+    torch.testing.assert_close(
+        res.baseline["field_defect"].draws, expected.draws, atol=1e-10, rtol=0
+    )
+    assert draws.key_draws.cache_info().currsize == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_key_factor_is_the_cholesky_factor_of_the_keys_gram(dtype):
+    field = torch.randn(2, 5, 32, dtype=torch.float64)
+    L = draws.key_factor(field.to(dtype), n_draws=2, width=32)
+    keys = field.reshape(10, 32)
+    assert L is not None and L.dtype == dtype and torch.equal(L, L.tril())
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(L.double() @ L.double().T, keys @ keys.T, atol=tol, rtol=tol)
+    # the cost rule: 10 (32 + 2 w) <= 0.8 (2 32 w) holds from a width of w = 11 on
+    assert draws.key_factor(field, n_draws=2, width=10) is None
+    assert draws.key_factor(field, n_draws=2, width=11) is not None
+
+
+def test_layers_of_one_length_share_one_set_of_field_draws():
+    draws.raw_draws.cache_clear()
+    draws.key_draws.cache_clear()
+    for seed in (1, 2):
+        residual_of(random_problem(seed=seed, **KEYED), baseline_draws=2)
+    info = draws.key_draws.cache_info()
+    assert (info.misses, info.hits) == (1, 1)
+
+
+def test_key_draws_refuse_more_keys_than_d_model():
+    with pytest.raises(ConnWalkError, match="at most d_model = 4 keys, got 5"):
+        draws.key_draws(torch.Size([1, 4, 2]), torch.Size([1, 2, 4]), torch.float64,
+                        torch.device("cpu"), 0, 2, 5)  # fmt: skip

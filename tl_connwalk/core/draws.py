@@ -12,23 +12,39 @@ and seed (`raw_draws`, cached), and a layer's draw is a rescaling of it (`layer_
     delta(s_h R^h)  = delta(R^h)                  (0 where s_h = 0: a zero head stays 0)
     G'_j[a,b]       = s_a s_b G_R,j[a,b]          (message Grams, `field_defect.message_grams`)
 
-These are the values of `isometry.random_baselines` with the same seed, up to rounding; the
-data-dependent field defect still needs each layer's field through the raw factors
-(`LayerDraws.message_grams`).
+These are the values of `isometry.random_baselines` with the same seed, up to rounding.
+
+The data-dependent field defect needs each layer's field ``X`` (``N`` keys of all sequences)
+through a draw's values ``X R_V``, ``O(N d_model H d_head)`` per draw. For ``N < d_model``
+it takes them in distribution instead (`LayerDraws.message_grams`): with ``X = L Q^T``
+(``L L^T = X X^T`` lower triangular, ``Q`` ``[d_model, N]`` orthonormal) and ``Q_perp``
+completing ``Q``, a standard Gaussian ``Z`` is ``Q Y + Q_perp Y_perp`` with ``Y``,
+``Y_perp`` standard Gaussian, so ``X Z = L Y``, and head ``h``'s norm
+``||Z^h R_O^h||_F^2 = <Y^h^T Y^h + Y_perp^h^T Y_perp^h, R_O^h R_O^h^T>`` needs only those
+two ``d_head x d_head`` Grams. ``Y`` and the Grams are drawn once per ``N`` and seed
+(`key_draws`, shared by every layer), ``L`` once per layer (`key_factor`): the draw's
+values cost ``O(N^2 H d_head)``. These field draws are new Gaussian value factors, not the
+``R_V`` of the weight-only defects' draws: the same distribution, other realisations.
 """
 
 import dataclasses
 import functools
+import hashlib
 from collections.abc import Iterator
 
 import torch
-from einops import rearrange
+from einops import einsum, rearrange
 from jaxtyping import Float
 from torch import Tensor
 
 from tl_connwalk.core import field_defect, head_grams, isometry, quartic
 from tl_connwalk.errors import ConnWalkError
 
+#: The field draws take the keys' route (`key_factor`) when its products,
+#: ``N^2 (d_model + n_draws H d_head)``, cost at most this share of the direct ones,
+#: ``n_draws N d_model H d_head``: GPT-2 small with two draws up to 409 keys, a Llama-3-8B
+#: layer up to 2184.
+KEY_ROUTE_SHARE = 0.8
 #: Most bytes of output-Gram rows (`head_grams.HeadGrams.out_rows`) the raw draws of one shape
 #: keep; the cache holds two shapes.
 OUT_ROWS_BYTES = 2**29
@@ -106,12 +122,137 @@ def _values_major(W_V: Tensor) -> Tensor:
     )
 
 
+def key_factor(
+    field: Float[Tensor, "batch key d_model"], n_draws: int, width: int
+) -> Float[Tensor, "row row"] | None:
+    """Lower-triangular ``L`` with ``L L^T = X X^T``, ``X`` the ``N = batch key`` rows of
+    ``field``, or ``None`` where the keys' route does not pay or does not apply.
+
+    ``None`` when ``N^2 (d_model + n_draws width)`` exceeds ``KEY_ROUTE_SHARE`` of
+    ``n_draws N d_model width`` (``width = H d_head``: the draws' value columns), or when the
+    Cholesky factorisation (in float64) fails, as it does for a zero key: there the field
+    draws multiply ``X R_V`` directly. The route needs no more than ``L L^T = X X^T`` and
+    ``N <= d_model``: then ``X = L Q^T`` with orthonormal ``Q`` even where ``X`` has less
+    than full rank (a repeated key that the factorisation passes with a pivot at rounding
+    level).
+
+    >>> key_factor(torch.randn(1, 4, 64), n_draws=2, width=64).shape
+    torch.Size([4, 4])
+    >>> key_factor(torch.zeros(1, 4, 64), n_draws=2, width=64) is None  # not definite
+    True
+    """
+    keys = rearrange(field, "batch key d_model -> (batch key) d_model")
+    n_keys, d_model = keys.shape
+    direct = n_draws * d_model * width
+    if n_keys == 0 or n_keys * (d_model + n_draws * width) > KEY_ROUTE_SHARE * direct:
+        return None
+    factor, info = torch.linalg.cholesky_ex((keys @ keys.mT).double())
+    if bool(info != 0):
+        return None
+    return factor.to(keys.dtype)
+
+
+def _key_seed(seed: int, n_keys: int, part: str) -> int:
+    """A generator seed for the field draws of ``n_keys`` keys, one per ``part``."""
+    digest = hashlib.blake2b(f"{seed}/{n_keys}/{part}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyDraws:
+    """The field draws of ``n_keys`` keys: what the layers' `key_factor` route shares.
+
+    ``norms_sq[d, h]`` is ``||Z^h R_O^h||_F^2`` of draw ``d``'s implied Gaussian ``Z``
+    (module docstring). ``kept`` holds each draw's standard Gaussian ``Y`` ``[n_keys, H
+    d_head]`` when all of them fit ``isometry.CHUNK_ENTRIES`` numbers; otherwise `values`
+    draws them again from their seed.
+    """
+
+    n_keys: int
+    width: int
+    dtype: torch.dtype
+    device: torch.device
+    seed: int
+    norms_sq: Float[Tensor, "draw head"]
+    kept: tuple[Tensor, ...] | None
+
+    def values(self) -> Iterator[Tensor]:
+        """``Y`` of every draw, in order."""
+        if self.kept is not None:
+            yield from self.kept
+            return
+        generator = torch.Generator(device=self.device).manual_seed(self.seed)
+        for _ in range(self.norms_sq.shape[0]):
+            yield torch.randn(
+                (self.n_keys, self.width), dtype=self.dtype, device=self.device,
+                generator=generator,
+            )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=2)
+def key_draws(
+    v_shape: torch.Size,
+    o_shape: torch.Size,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    n_draws: int,
+    n_keys: int,
+) -> KeyDraws:
+    """The field draws of ``n_keys`` keys for heads of one shape (integer ``seed``), cached
+    for the last two: every layer of a model, on prompts of one length, shares them.
+
+    Draws ``Y`` ``[n_keys, H d_head]`` and ``Y_perp`` ``[d_model - n_keys, H d_head]``
+    (blocks of rows at a time) from seeds of their own, and with the raw draws' ``R_O``
+    (`raw_draws`, same seed) the implied heads' squared norms, once:
+    ``O(n_draws d_model H d_head^2)``.
+    """
+    n_heads, d_model, d_head = v_shape
+    if not 0 <= n_keys <= d_model:
+        raise ConnWalkError(
+            f"the field draws' route needs at most d_model = {d_model} keys, got {n_keys}."
+        )
+    raw = raw_draws(v_shape, o_shape, dtype, device, seed, n_draws)
+    width = n_heads * d_head
+    values_seed = _key_seed(seed, n_keys, "values")
+    values = torch.Generator(device=device).manual_seed(values_seed)
+    perp = torch.Generator(device=device).manual_seed(_key_seed(seed, n_keys, "perp"))
+    keep = n_draws * n_keys * width <= isometry.CHUNK_ENTRIES
+    norms, kept = [], []
+    for (_, R_O), raw_draw in zip(raw.factors(), raw.draws, strict=True):
+        Y = torch.randn((n_keys, width), dtype=dtype, device=device, generator=values)
+        gram = einsum(*(Y.view(n_keys, n_heads, d_head),) * 2, "n h p, n h q -> h p q")
+        for rows in isometry._query_chunks(d_model - n_keys, width):
+            block = torch.randn(
+                (min(rows.stop, d_model - n_keys) - rows.start, n_heads, d_head),
+                dtype=dtype, device=device, generator=perp,
+            )  # fmt: skip
+            gram += einsum(block, block, "n h p, n h q -> h p q")
+        norms.append(einsum(gram, _output_blocks(raw_draw, R_O), "h p q, h p q -> h"))
+        if keep:
+            kept.append(Y)
+    return KeyDraws(
+        n_keys, width, dtype, device, values_seed, torch.stack(norms),
+        tuple(kept) if keep else None,
+    )  # fmt: skip
+
+
+def _output_blocks(raw: head_grams.HeadGrams, R_O: Tensor) -> Tensor:
+    """``R_O^h R_O^h^T`` ``[head, d_head, d_head]``: from the kept output-Gram rows if any."""
+    n_heads, d_head, _ = R_O.shape
+    if raw.out_rows is None:
+        return R_O @ R_O.mT
+    rows = field_defect._gram_rows(raw.out_rows, n_heads, d_head)
+    return torch.stack([row[:, :d_head] for row in rows])
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerDraws:
     """The random draws of one layer: the shared raw draws scaled to its head norms.
 
     ``scales[d, h]`` is ``s_h`` of draw ``d``; ``K2``, ``pair_gram`` and ``head_defects`` are the
     draws' (``[draw, ...]``), ready for `isometry.gram_defect_means` beside the layer's own.
+    ``norms_sq``: the layer's ``||T^h||_F^2``, to which the field draws are scaled too.
     """
 
     raw: RawDraws
@@ -119,19 +260,45 @@ class LayerDraws:
     K2: Float[Tensor, "draw head head"]
     pair_gram: Float[Tensor, "draw pair pair"]
     head_defects: Float[Tensor, "draw head"]
+    norms_sq: Float[Tensor, " head"]
 
     def message_grams(self, field: Float[Tensor, "batch key d_model"]) -> Iterator[Tensor]:
-        """`field_defect.message_grams` of each draw on ``field``, ``[batch, key, head, head]``.
+        """`field_defect.message_grams` of each field draw on ``field``, ``[batch, key, head,
+        head]``.
 
-        The draw is ``T'^h = s_h R^h``, so its message Gram is the raw draw's times
+        The draw is ``T'^h = s_h R^h``, so its message Gram is that of the raw draw times
         ``s_a s_b``: no scaled copy of the factors is made, one raw draw alive at a time (and
-        the raw draw's ``out_rows``, where kept, spare its messages).
+        the raw draw's ``out_rows``, where kept, spare its messages). Where `key_factor`
+        gives ``L``, the raw values are ``L Y`` (`key_draws`, module docstring), scaled to
+        the layer's head norms through the implied ``||Z^h R_O^h||_F``.
         """
-        draws = zip(self.raw.factors(), self.raw.draws, self.scales, strict=True)
-        for (R_V, R_O), raw, scale in draws:
-            grams = field_defect.message_grams(field, R_V, R_O, out_rows=raw.out_rows)
-            del R_V, R_O  # before the next draw is made
-            yield grams * (scale[:, None] * scale[None, :]).to(grams)
+        raw = self.raw
+        factor = key_factor(field, len(raw.draws), raw.v_shape[0] * raw.v_shape[2])
+        if factor is None:
+            draws = zip(raw.factors(), raw.draws, self.scales, strict=True)
+            for (R_V, R_O), drawn, scale in draws:
+                grams = field_defect.message_grams(field, R_V, R_O, out_rows=drawn.out_rows)
+                del R_V, R_O  # before the next draw is made
+                yield grams * (scale[:, None] * scale[None, :]).to(grams)
+            return
+        keyed = key_draws(
+            raw.v_shape, raw.o_shape, raw.dtype, raw.device, raw.seed, len(raw.draws),
+            factor.shape[0],
+        )  # fmt: skip
+        # R_O alone is needed where a draw's output-Gram rows were not kept
+        outputs = raw.factors() if any(d.out_rows is None for d in raw.draws) else None
+        for d, (Y, drawn) in enumerate(zip(keyed.values(), raw.draws, strict=True)):
+            output = None if outputs is None else next(outputs)[1]
+            scale = isometry.draw_scales(self.norms_sq, keyed.norms_sq[d])
+            grams = field_defect.factored_message_grams(
+                factor, Y, raw.v_shape[0], W_O=output if drawn.out_rows is None else None,
+                out_rows=drawn.out_rows,
+            )  # fmt: skip
+            yield rearrange(
+                grams * (scale[:, None] * scale[None, :]).to(grams),
+                "(batch key) a b -> batch key a b",
+                batch=field.shape[0],
+            )
 
     def factors(self) -> Iterator[tuple[Tensor, Tensor]]:
         """Each draw's ``(W_V', W_O')``, as `isometry.random_head_factors` returns them."""
@@ -176,6 +343,7 @@ def layer_draws(
     pair_gram = torch.stack([draw.pair_gram for draw in raw.draws])
     head_defects = torch.stack([draw.head_defects for draw in raw.draws])
     return LayerDraws(
+        norms_sq=target,
         raw=raw,
         scales=scales,
         K2=K2 * rearrange(scales, "d a -> d a 1") * rearrange(scales, "d b -> d 1 b"),

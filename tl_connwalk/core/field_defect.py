@@ -17,7 +17,7 @@ Convention: a key with ``x_j = 0`` sends no message and has no ratio (0/0): its 
 reported as 0 and its edges are left out of the defects (rows renormalised over the rest).
 """
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from einops import einsum, rearrange, reduce
@@ -128,29 +128,101 @@ def message_grams(
     True
     """
     field, W_V, W_O = _cast(field, W_V, W_O)
-    batch, n_key, d_model = field.shape
-    n_heads, _, d_head = W_V.shape
+    batch = field.shape[0]
     keys = rearrange(field, "batch key d_model -> (batch key) d_model")
-    grams = keys.new_empty(batch * n_key, n_heads, n_heads)  # filled block by block
-    if out_rows is not None:
-        gram_rows = _gram_rows(out_rows.to(keys), n_heads, d_head)
+    heads = (W_V.shape[0], W_V.shape[2])
+    if out_rows is not None:  # W_V^cat in one product (a view for the draws' factors)
         values = rearrange(W_V, "head d_model d_head -> d_model (head d_head)")
-        # per key: its values, and one head's pair forms (at most H d_head) at a time
-        for block in _query_chunks(batch * n_key, 4 * 2 * n_heads * d_head):
-            v = (keys[block] @ values).view(-1, n_heads, d_head)
-            for a, rows in enumerate(gram_rows):
-                pair = (v[:, a] @ rows).view(-1, n_heads - a, d_head)
-                grams[block, a, a:] = (pair * v[:, a:]).sum(-1)
-        upper = torch.ones(n_heads, n_heads, dtype=torch.bool, device=grams.device).triu()
-        grams = torch.where(upper, grams, grams.mT)  # G_j[b,a] = G_j[a,b]
-        return rearrange(grams, "(batch key) a b -> batch key a b", batch=batch)
-    # a quarter of the chunk budget: larger blocks only raise the peak (8B shape: 64 MiB more)
-    for block in _query_chunks(batch * n_key, 4 * n_heads * d_model):
-        messages = keys.new_empty(keys[block].shape[0], n_heads, d_model)
-        for h in range(n_heads):  # head by head: no W_V-sized layout copy
-            messages[:, h] = (keys[block] @ W_V[h]) @ W_O[h]
-        grams[block] = messages @ messages.mT
+        grams = _value_grams(lambda block: keys[block] @ values, keys, heads, None, out_rows)
+    else:  # head by head: no W_V-sized layout copy
+        grams = _value_grams(
+            lambda block: torch.stack([keys[block] @ W_V[h] for h in range(heads[0])], 1),
+            keys,
+            heads,
+            W_O,
+            None,
+        )
     return rearrange(grams, "(batch key) a b -> batch key a b", batch=batch)
+
+
+def factored_message_grams(
+    factor: Float[Tensor, "row rank"],
+    values: Float[Tensor, "rank head_d_head"],
+    n_heads: int,
+    *,
+    W_O: Float[Tensor, "head d_head d_model"] | None = None,
+    out_rows: Float[Tensor, " packed"] | None = None,
+) -> Float[Tensor, "row head head"]:
+    """`message_grams` of rows whose values ``[v^1_j ... v^H_j]`` are ``factor[j] @ values``.
+
+    ``values`` is ``[rank, H d_head]`` (heads side by side); the output side is ``out_rows``
+    (as in `message_grams`) or else ``W_O``. A random baseline's values ``X R_V`` are, in
+    distribution, ``L Y`` with ``L L^T = X X^T`` and ``Y`` standard Gaussian
+    (`tl_connwalk.core.draws.key_factor`): ``O(n^2 H d_head)`` instead of
+    ``O(n d_model H d_head)`` for ``n < d_model`` keys.
+
+    >>> L, Y, W_O = torch.randn(3, 3).tril(), torch.randn(3, 8), torch.randn(2, 4, 5)
+    >>> factored_message_grams(L, Y, 2, W_O=W_O).shape
+    torch.Size([3, 2, 2])
+    """
+    side = out_rows if W_O is None else W_O
+    if side is None or (W_O is not None and out_rows is not None):
+        raise ConnWalkError("factored_message_grams needs W_O or out_rows (one of them).")
+    dtype = working_dtype(factor, values, side)
+    factor, values = (t.to(device=factor.device, dtype=dtype) for t in (factor, values))
+    d_head = values.shape[-1] // max(1, n_heads)
+    if (
+        factor.ndim != 2
+        or values.shape != (factor.shape[1], n_heads * d_head)
+        or (W_O is not None and W_O.shape[:2] != (n_heads, d_head))
+    ):
+        raise ConnWalkError(
+            f"factor {tuple(factor.shape)} and values {tuple(values.shape)} must be [row, rank] "
+            f"and [rank, head d_head] for {n_heads} heads"
+            + ("" if W_O is None else f" of W_O {tuple(W_O.shape)} [head, d_head, d_model]")
+            + "."
+        )
+    return _value_grams(
+        lambda block: factor[block] @ values,
+        factor,
+        (n_heads, d_head),
+        None if W_O is None else W_O.to(factor),
+        out_rows,
+    )
+
+
+def _value_grams(
+    values_of: Callable[[slice], Tensor],
+    rows_like: Tensor,
+    heads: tuple[int, int],
+    W_O: Tensor | None,
+    out_rows: Tensor | None,
+) -> Tensor:
+    """``G_j[a,b]`` ``[row, head, head]`` (``rows_like``'s rows, dtype and device) from each
+    block's values ``values_of(rows)`` (``[rows, head, d_head]`` or ``[rows, head d_head]``),
+    block by block of rows: through ``out_rows`` where given, else through ``W_O``."""
+    (n_heads, d_head), n_rows = heads, rows_like.shape[0]
+    grams = rows_like.new_empty(n_rows, n_heads, n_heads)  # filled block by block
+    if out_rows is None:
+        if W_O is None:
+            raise ConnWalkError("message Grams need W_O or out_rows (one of them).")
+        # a quarter of the chunk budget: larger blocks only raise the peak (8B: 64 MiB more)
+        for block in _query_chunks(n_rows, 4 * n_heads * W_O.shape[-1]):
+            v = values_of(block).view(-1, n_heads, d_head)
+            messages = v.new_empty(v.shape[0], n_heads, W_O.shape[-1])
+            for h in range(n_heads):
+                messages[:, h] = v[:, h] @ W_O[h]
+            grams[block] = messages @ messages.mT
+        return grams
+    gram_rows = _gram_rows(out_rows.to(rows_like), n_heads, d_head)
+    # per row: its values, and one head's pair forms (at most H d_head) at a time
+    for block in _query_chunks(n_rows, 4 * 2 * n_heads * d_head):
+        v = values_of(block).view(-1, n_heads, d_head)
+        for a, rows in enumerate(gram_rows):
+            pair = (v[:, a] @ rows).view(-1, n_heads - a, d_head)
+            grams[block, a, a:] = (pair * v[:, a:]).sum(-1)
+    upper = torch.ones(n_heads, n_heads, dtype=torch.bool, device=grams.device).triu()
+    return torch.where(upper, grams, grams.mT)  # G_j[b,a] = G_j[a,b]
 
 
 def _field_norms(field: Tensor) -> Tensor:
