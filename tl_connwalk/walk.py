@@ -95,10 +95,10 @@ class ConnectionWalk:
 
         b_V = torch.zeros(n_heads, d_head) if b_V is None else b_V
         b_O = torch.zeros(d_model) if b_O is None else b_O
-        pattern = cast(pattern)
+        walk, gates = core.walk_and_gates(cast(pattern))
         return cls(
-            walk=core.walk_matrix(pattern),
-            gates=core.gates(pattern),
+            walk=walk,
+            gates=gates,
             field=cast(field),
             W_V=cast(W_V),
             W_O=cast(W_O),

@@ -3,6 +3,8 @@
 import torch
 from torch import Tensor
 
+from tl_connwalk.core.isometry import abs_max
+
 
 def expand_kv_heads(weight: Tensor, n_heads: int) -> Tensor:
     """Repeat key-value heads along axis 0 so query head ``h`` gets KV head ``h // (H / H_kv)``."""
@@ -19,8 +21,8 @@ def inferred_processing(W_O: Tensor, b_V: Tensor | None) -> dict[str, bool]:
     mean zero over ``d_model`` (to float rounding); value biases folded means ``b_V`` is zero or
     absent.
     """
-    scale = W_O.abs().max().clamp_min(torch.finfo(W_O.dtype).tiny)
+    scale = max(abs_max(W_O), torch.finfo(W_O.dtype).tiny)
     return {
-        "center_writing_weights": bool(W_O.mean(-1).abs().max() <= 1e-6 * scale),
+        "center_writing_weights": abs_max(W_O.mean(-1)) <= 1e-6 * scale,
         "fold_value_biases": b_V is None or bool((b_V == 0).all()),
     }

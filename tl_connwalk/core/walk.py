@@ -42,15 +42,30 @@ def gates(pattern: Float[Tensor, "batch head query key"]) -> Float[Tensor, "batc
     >>> torch.allclose(g.sum(1), torch.ones(1, 4, 4))
     True
     """
+    return walk_and_gates(pattern)[1]
+
+
+def walk_and_gates(
+    pattern: Float[Tensor, "batch head query key"],
+) -> tuple[Float[Tensor, "batch query key"], Float[Tensor, "batch head query key"]]:
+    """`walk_matrix` and `gates` from one sum over heads ``s_ij = sum_h A^h_ij``::
+
+        W_ij = s_ij / H,    g^h_ij = A^h_ij (1 / s_ij) + [s_ij = 0] / H
+
+    the gates in one fused pass over the pattern (``addcmul`` of the broadcast
+    ``[batch, 1, query, key]`` terms): two passes over the pattern in all, not four.
+
+    >>> A = torch.softmax(torch.randn(2, 4, 5, 5), -1)
+    >>> W, g = walk_and_gates(A)
+    >>> torch.allclose(W, walk_matrix(A)), torch.allclose(g.sum(1), torch.ones(2, 5, 5))
+    (True, True)
+    """
     n_heads = pattern.shape[1]
     total = reduce(pattern, "batch head query key -> batch 1 query key", "sum")
     has_mass = total > 0
-    ratio = pattern / torch.where(has_mass, total, torch.ones_like(total))
-    # into the fresh quotient: one pattern-sized tensor at peak, not two
-    if ratio.requires_grad:
-        return ratio.masked_fill_(~has_mass, 1.0 / n_heads)
-    # the same without autograd (which out= lacks), 1.6x faster than the broadcast mask
-    return torch.where(has_mass, ratio, ratio.new_tensor(1.0 / n_heads), out=ratio)
+    inverse = torch.where(has_mass, 1.0 / torch.where(has_mass, total, 1.0), 0.0)
+    uniform = torch.where(has_mass, 0.0, total.new_tensor(1.0 / n_heads))
+    return total[:, 0] / n_heads, torch.addcmul(uniform, pattern, inverse)
 
 
 def patterns_from_walk(
