@@ -217,3 +217,27 @@ def test_families_need_grams_over_the_fields_keys():
         inspect.unwrap(fd.field_isometry_defects)(
             field, walk_matrix(pattern), split_gates(pattern), grams
         )
+
+
+@pytest.mark.parametrize("through", ["out_rows", "W_O"])
+def test_factored_message_grams_equal_the_message_grams_of_the_product(through):
+    """``factor @ values`` as the keys' values: the Grams of `message_grams` with ``X = factor``
+    and ``W_V^cat = values``, through the output Gram's rows or through ``W_O``."""
+    W_O = random_problem(heads=3, d_model=12, d_head=4, pos=7)[3]
+    factor = torch.randn(12, 12, dtype=F64)  # rank = d_model: message_grams' shapes
+    values = torch.randn(12, 12, dtype=F64)
+    expected = fd.message_grams(factor[None], values.view(12, 3, 4).permute(1, 0, 2), W_O)[0]
+    side = (
+        {"out_rows": fd.output_gram_rows(torch.einsum("apd,bqd->abpq", W_O, W_O))}
+        if through == "out_rows"
+        else {"W_O": W_O}
+    )
+    assert_close(fd.factored_message_grams(factor, values, 3, **side), expected)
+
+
+def test_factored_message_grams_check_their_inputs():
+    W_O = torch.randn(2, 4, 6, dtype=F64)
+    with pytest.raises(ConnWalkError, match="needs W_O or out_rows"):
+        inspect.unwrap(fd.factored_message_grams)(torch.eye(3), torch.randn(3, 8), 2)
+    with pytest.raises(ConnWalkError, match=r"values \(3, 6\) must be"):
+        inspect.unwrap(fd.factored_message_grams)(torch.eye(3), torch.randn(3, 6), 2, W_O=W_O)
