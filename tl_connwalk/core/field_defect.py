@@ -420,16 +420,17 @@ def field_isometry_defects(
     _check_chunk(query_chunk)
     check_flag(exclude_sink, "exclude_sink")
     weights, _ = _edge_weights(walk, exclude_sink, _sent(field, walk.shape))
-    # the sums run in float64, so the spread E[rho^2] - E[rho]^2 keeps float32's precision
-    weights = weights.to(device=gates.device, dtype=torch.float64)
-    total = reduce(weights, "batch query key -> batch", "sum")
+    # the sums run in float64 (chunk by chunk: no float64 copy of the walk), so the spread
+    # E[rho^2] - E[rho]^2 keeps float32's precision
+    weights = weights.to(gates.device)
+    total = weights.sum((-2, -1), dtype=torch.float64)
     sums = gates.new_zeros(2, grams.shape[0], grams.shape[1], dtype=torch.float64)
     scaled = _ratio_grams(grams, field)
     for rows, keys, rho_sq in _chunk_norms_sq(gates, scaled, query_chunk, walk):
         weight = weights[:, rows, :keys]
         rho = rho_sq.clamp_min_(0.0).sqrt_()
         rho = torch.where(weight > 0, rho, 0.0)  # no value off the walk, not even a NaN
-        weighted = weight * rho
+        weighted = weight.to(torch.float64) * rho
         sums[0] += reduce(weighted, "family batch query key -> family batch", "sum")
         sums[1] += reduce(weighted.mul_(rho), "family batch query key -> family batch", "sum")
     has_mass = total > 0
