@@ -156,11 +156,12 @@ def all_measurements(n_pos: int, baseline_draws: int, device: str = "cpu") -> di
 
     12 layers, d_model 768, 12 heads of 64; batch 1. ``laplacian_residual`` per layer with the
     given number of baseline draws, plus layer drift. ``cold``: once, on a first cache with
-    nothing computed before (the random draws and every layer's weight-only head Grams are
-    computed inside the timing). ``warm``: on a cache of other tokens of the same model (what
-    each further prompt or batch costs: the head Grams come from `core.head_grams`' store), the
-    median of three passes, each right after a ``run_with_cache`` pass of the same tokens; the
-    forward time is the median of those three and of three passes before the cold one.
+    nothing computed before (the random draws, the field draws of this many keys and every
+    layer's weight-only head Grams are computed inside the timing). ``warm``: on a cache of
+    other tokens of the same model (what each further prompt or batch costs: the head Grams
+    come from `core.head_grams`' store), the median of three passes, each right after a
+    ``run_with_cache`` pass of the same tokens; the forward time is the median of those three
+    and of three passes before the cold one.
     Peak memory: growth of the process peak (CPU) or of the allocator's peak (CUDA) over the
     caches during the cold pass and one warm pass (before the interleaved forward passes,
     whose own caches would count), against the cached patterns.
@@ -189,6 +190,7 @@ def all_measurements(n_pos: int, baseline_draws: int, device: str = "cpu") -> di
         first, second = caches[0], caches[1]
         patterns = sum(first[n].numel() * 4 for n in names if n.endswith("hook_pattern"))
         draws.raw_draws.cache_clear()
+        draws.key_draws.cache_clear()
         head_grams.cache_clear()
         peak = _Peak(where)
         cold = timed(where, lambda: measure_all(first))
@@ -233,8 +235,8 @@ def layer_residual(
     """laplacian_residual of one layer (all edges), cold and warm.
 
     ``seconds`` (cold): the first walk of these weights, with the head-Gram store and the
-    shared draws emptied first, so the layer's and the draws' weight-only terms are computed
-    inside the timing; ``peak_extra_MiB``: growth over the built walk during it.
+    shared draws (raw and field draws) emptied first, so the layer's and the draws' terms are
+    computed inside the timing; ``peak_extra_MiB``: growth over the built walk during it.
     ``warm_seconds``: a new walk of the same pattern and weights (what each further prompt
     costs: both kept).
     """
@@ -246,6 +248,7 @@ def layer_residual(
         return timed(where, lambda: walk.laplacian_residual(baseline_draws=baseline_draws))
 
     draws.raw_draws.cache_clear()
+    draws.key_draws.cache_clear()
     head_grams.cache_clear()
     walk = tl_connwalk.ConnectionWalk.from_pattern(*operands)
     peak = _Peak(where)  # growth over the built walk
