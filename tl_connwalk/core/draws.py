@@ -14,17 +14,19 @@ and seed (`raw_draws`, cached), and a layer's draw is a rescaling of it (`layer_
 
 These are the values of `isometry.random_baselines` with the same seed, up to rounding.
 
-The data-dependent field defect needs each layer's field ``X`` (``N`` keys of all sequences)
-through a draw's values ``X R_V``, ``O(N d_model H d_head)`` per draw. For ``N < d_model``
+The data-dependent field defect needs each layer's field ``X`` (``n`` keys of a sequence)
+through a draw's values ``X R_V``, ``O(n d_model H d_head)`` per draw. For ``n < d_model``
 it takes them in distribution instead (`LayerDraws.message_grams`): with ``X = L Q^T``
-(``L L^T = X X^T`` lower triangular, ``Q`` ``[d_model, N]`` orthonormal) and ``Q_perp``
+(``L L^T = X X^T`` lower triangular, ``Q`` ``[d_model, n]`` orthonormal) and ``Q_perp``
 completing ``Q``, a standard Gaussian ``Z`` is ``Q Y + Q_perp Y_perp`` with ``Y``,
 ``Y_perp`` standard Gaussian, so ``X Z = L Y``, and head ``h``'s norm
 ``||Z^h R_O^h||_F^2 = <Y^h^T Y^h + Y_perp^h^T Y_perp^h, R_O^h R_O^h^T>`` needs only those
-two ``d_head x d_head`` Grams. ``Y`` and the Grams are drawn once per ``N`` and seed
-(`key_draws`, shared by every layer), ``L`` once per layer (`key_factor`): the draw's
-values cost ``O(N^2 H d_head)``. These field draws are new Gaussian value factors, not the
-``R_V`` of the weight-only defects' draws: the same distribution, other realisations.
+two ``d_head x d_head`` Grams. ``Y`` and the Grams are drawn once per ``n`` and seed
+(`key_draws`, shared by every layer and sequence), ``L`` once per layer and sequence
+(`key_factor`): the draw's values cost ``O(n^2 H d_head)``. These field draws are new
+Gaussian value factors, not the ``R_V`` of the weight-only defects' draws: the same
+distribution, other realisations, and one per sequence (each sequence's field baseline is
+the same alone or in a batch).
 """
 
 import dataclasses
@@ -34,16 +36,16 @@ from collections.abc import Iterator
 
 import torch
 from einops import einsum, rearrange
-from jaxtyping import Float
+from jaxtyping import Bool, Float
 from torch import Tensor
 
 from tl_connwalk.core import field_defect, head_grams, isometry, quartic
 from tl_connwalk.errors import ConnWalkError
 
 #: The field draws take the keys' route (`key_factor`) when its products,
-#: ``N^2 (d_model + n_draws H d_head)``, cost at most this share of the direct ones,
-#: ``n_draws N d_model H d_head``: GPT-2 small with two draws up to 409 keys, a Llama-3-8B
-#: layer up to 2184.
+#: ``n^2 (d_model + n_draws H d_head)`` for ``n`` keys per sequence, cost at most this share
+#: of the direct ones, ``n_draws n d_model H d_head``: GPT-2 small with two draws up to 409
+#: keys, a Llama-3-8B layer up to 2184.
 KEY_ROUTE_SHARE = 0.8
 #: Most bytes of output-Gram rows (`head_grams.HeadGrams.out_rows`) the raw draws of one shape
 #: keep; the cache holds two shapes.
@@ -124,32 +126,30 @@ def _values_major(W_V: Tensor) -> Tensor:
 
 def key_factor(
     field: Float[Tensor, "batch key d_model"], n_draws: int, width: int
-) -> Float[Tensor, "row row"] | None:
-    """Lower-triangular ``L`` with ``L L^T = X X^T``, ``X`` the ``N = batch key`` rows of
-    ``field``, or ``None`` where the keys' route does not pay or does not apply.
+) -> tuple[Float[Tensor, "batch key key"], Bool[Tensor, " batch"]] | None:
+    """Per sequence, lower-triangular ``L`` with ``L L^T = X X^T`` for its keys ``X``, and
+    whether its factorisation succeeded; ``None`` where the keys' route does not pay.
 
-    ``None`` when ``N^2 (d_model + n_draws width)`` exceeds ``KEY_ROUTE_SHARE`` of
-    ``n_draws N d_model width`` (``width = H d_head``: the draws' value columns), or when the
-    Cholesky factorisation (in float64) fails, as it does for a zero key: there the field
-    draws multiply ``X R_V`` directly. The route needs no more than ``L L^T = X X^T`` and
-    ``N <= d_model``: then ``X = L Q^T`` with orthonormal ``Q`` even where ``X`` has less
-    than full rank (a repeated key that the factorisation passes with a pivot at rounding
-    level).
+    ``None`` when ``n^2 (d_model + n_draws width)`` exceeds ``KEY_ROUTE_SHARE`` of
+    ``n_draws n d_model width`` (``n`` keys per sequence, ``width = H d_head``: the draws'
+    value columns). The Cholesky factorisation (in float64) fails for a sequence with a zero
+    key or more keys than ``d_model``: that sequence's field draws multiply ``X R_V``
+    directly. The route needs no more than ``L L^T = X X^T`` and ``n <= d_model``: then
+    ``X = L Q^T`` with orthonormal ``Q`` even where ``X`` has less than full rank (a repeated
+    key that the factorisation passes with a pivot at rounding level).
 
-    >>> key_factor(torch.randn(1, 4, 64), n_draws=2, width=64).shape
-    torch.Size([4, 4])
-    >>> key_factor(torch.zeros(1, 4, 64), n_draws=2, width=64) is None  # not definite
-    True
+    >>> factor, factored = key_factor(torch.randn(2, 4, 64), n_draws=2, width=64)
+    >>> factor.shape, factored
+    (torch.Size([2, 4, 4]), tensor([True, True]))
+    >>> key_factor(torch.zeros(1, 4, 64), n_draws=2, width=64)[1]  # not definite
+    tensor([False])
     """
-    keys = rearrange(field, "batch key d_model -> (batch key) d_model")
-    n_keys, d_model = keys.shape
+    _, n_keys, d_model = field.shape
     direct = n_draws * d_model * width
     if n_keys == 0 or n_keys * (d_model + n_draws * width) > KEY_ROUTE_SHARE * direct:
         return None
-    factor, info = torch.linalg.cholesky_ex((keys @ keys.mT).double())
-    if bool(info != 0):
-        return None
-    return factor.to(keys.dtype)
+    factor, info = torch.linalg.cholesky_ex((field @ field.mT).double())
+    return factor.to(field.dtype), info == 0
 
 
 def _key_seed(seed: int, n_keys: int, part: str) -> int:
@@ -268,37 +268,46 @@ class LayerDraws:
 
         The draw is ``T'^h = s_h R^h``, so its message Gram is that of the raw draw times
         ``s_a s_b``: no scaled copy of the factors is made, one raw draw alive at a time (and
-        the raw draw's ``out_rows``, where kept, spare its messages). Where `key_factor`
-        gives ``L``, the raw values are ``L Y`` (`key_draws`, module docstring), scaled to
-        the layer's head norms through the implied ``||Z^h R_O^h||_F``.
+        the raw draw's ``out_rows``, where kept, spare its messages). For each sequence that
+        `key_factor` factors, the raw values are ``L Y`` instead (`key_draws`, module
+        docstring), scaled to the layer's head norms through the implied ``||Z^h R_O^h||_F``.
         """
         raw = self.raw
-        factor = key_factor(field, len(raw.draws), raw.v_shape[0] * raw.v_shape[2])
-        if factor is None:
+        keys = key_factor(field, len(raw.draws), raw.v_shape[0] * raw.v_shape[2])
+        factored = [] if keys is None else keys[1].nonzero().flatten().tolist()
+        if keys is None or not factored:
             draws = zip(raw.factors(), raw.draws, self.scales, strict=True)
             for (R_V, R_O), drawn, scale in draws:
                 grams = field_defect.message_grams(field, R_V, R_O, out_rows=drawn.out_rows)
                 del R_V, R_O  # before the next draw is made
                 yield grams * (scale[:, None] * scale[None, :]).to(grams)
             return
+        factor, direct = keys[0], (~keys[1]).nonzero().flatten().tolist()
         keyed = key_draws(
             raw.v_shape, raw.o_shape, raw.dtype, raw.device, raw.seed, len(raw.draws),
-            factor.shape[0],
+            factor.shape[1],
         )  # fmt: skip
-        # R_O alone is needed where a draw's output-Gram rows were not kept
-        outputs = raw.factors() if any(d.out_rows is None for d in raw.draws) else None
+        # the raw factors only where a sequence goes direct or a draw kept no output-Gram rows
+        needed = bool(direct) or any(drawn.out_rows is None for drawn in raw.draws)
+        factors = raw.factors() if needed else None
+        n_heads = raw.v_shape[0]
         for d, (Y, drawn) in enumerate(zip(keyed.values(), raw.draws, strict=True)):
-            output = None if outputs is None else next(outputs)[1]
+            pair = None if factors is None else next(factors)
+            outputs = None if pair is None or drawn.out_rows is not None else pair[1]
+            grams = field.new_empty(*field.shape[:2], n_heads, n_heads)
+            for b in factored:
+                grams[b] = field_defect.factored_message_grams(
+                    factor[b], Y, n_heads, W_O=outputs, out_rows=drawn.out_rows
+                )
             scale = isometry.draw_scales(self.norms_sq, keyed.norms_sq[d])
-            grams = field_defect.factored_message_grams(
-                factor, Y, raw.v_shape[0], W_O=output if drawn.out_rows is None else None,
-                out_rows=drawn.out_rows,
-            )  # fmt: skip
-            yield rearrange(
-                grams * (scale[:, None] * scale[None, :]).to(grams),
-                "(batch key) a b -> batch key a b",
-                batch=field.shape[0],
-            )
+            grams[factored] *= (scale[:, None] * scale[None, :]).to(grams)
+            if direct and pair is not None:  # these sequences through this draw's own R_V
+                scale = self.scales[d]
+                grams[direct] = field_defect.message_grams(
+                    field[direct], *pair, out_rows=drawn.out_rows
+                ) * (scale[:, None] * scale[None, :]).to(grams)
+            del pair, outputs  # before the next draw is made
+            yield grams
 
     def factors(self) -> Iterator[tuple[Tensor, Tensor]]:
         """Each draw's ``(W_V', W_O')``, as `isometry.random_head_factors` returns them."""
