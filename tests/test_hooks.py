@@ -140,7 +140,7 @@ def test_unhooked_points_are_not_computed(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("computed a connection-walk point nobody asked for")
 
-    for name in ("walk_matrix", "gates", "patterns_from_walk", "_messages"):
+    for name in ("walk_and_gates", "patterns_from_walk", "_messages"):
         monkeypatch.setattr(hooks, name, boom)
     toks = tokens()
     model(toks)

@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from transformer_lens import HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
-from tl_connwalk.core.walk import gates, patterns_from_walk, walk_matrix
+from tl_connwalk.core.walk import patterns_from_walk, walk_and_gates
 from tl_connwalk.errors import ConnWalkError
 
 
@@ -174,7 +174,7 @@ def _through_walk(
     of ``W`` or ``g``, it comes back as ``A + (H W' g' - H W g)``, the same values, with the
     gradient passing through the new points.
     """
-    walk, gate = walk_matrix(pattern), gates(pattern)
+    walk, gate = walk_and_gates(pattern)  # one sum over heads for both
     walk_version, gate_version = walk._version, gate._version
     new_walk, new_gate = walk_point(walk), gates_point(gate)
     walk_edited = _edited(walk, new_walk, walk_version, walk_point.name)
