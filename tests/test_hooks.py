@@ -122,7 +122,7 @@ def test_points_listed_cached_and_exact(arch):
 
 
 def test_messages_from_the_field():
-    """m^h_j = (x_j W_V^h + b_V^h) W_O^h with the field x = LayerNorm output (SPEC 0)."""
+    """m^h_j = (x_j W_V^h + b_V^h) W_O^h with the field x = LayerNorm output (spec §0)."""
     model = model_of("gpt2_ln")
     install(model)
     _, cache = model.run_with_cache(tokens())
@@ -229,7 +229,7 @@ def test_points_see_values_after_every_user_hook(order):
     assert not torch.equal(plain[hook_name(1, "walk")], cache[hook_name(1, "walk")])
 
 
-# --- edits change the forward pass as the SPEC says ----------------------------------------
+# --- edits change the forward pass as the spec says ----------------------------------------
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -341,7 +341,7 @@ def test_edited_walk_or_gates_recombine_into_patterns(point, in_place):
 @settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 2**16), temperature=st.floats(0.1, 5.0))
 def test_uniform_gates_is_the_single_head_reduction(seed, temperature):
-    """Uniform gates (SPEC 1.2): every head attends by the walk; same as patching hook_pattern."""
+    """Uniform gates (spec §1.2): every head attends by the walk; same as patching hook_pattern."""
     model = model_of("attn_only_no_norm")
     install(model)
     toks = tokens(seed=seed)

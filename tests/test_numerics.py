@@ -383,7 +383,7 @@ def test_exclude_sink_drops_the_rows_it_empties(dtype):
 
 @pytest.mark.parametrize("factor", [1e-6, 1e-3, 1e3, 1e5, 1e8])
 def test_defects_are_scale_invariant_across_the_float32_range(factor):
-    """Every defect is invariant under ``W_V, W_O, x -> c W_V, c W_O, c x`` (SPEC 3).
+    """Every defect is invariant under ``W_V, W_O, x -> c W_V, c W_O, c x`` (spec §3).
 
     In float32 the closed forms square the transport norms twice (``sum sigma^4``, the message
     Grams): ``||T||_F`` beyond ~1e9 overflows and below ~1e-9 underflows. The result must stay

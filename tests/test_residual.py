@@ -80,7 +80,7 @@ def test_pairing_applies_to_encoders_only(walk):
 
 def test_symmetric_walk_with_paired_orthogonal_transports_is_a_connection_laplacian():
     """Symmetric doubly stochastic walk, one head with T = s Q (Q symmetric orthogonal): every
-    condition holds, so every residual is 0 (SPEC 2)."""
+    condition holds, so every residual is 0 (spec §2)."""
     n, d = 5, 6
     scores = torch.randn(n, n, dtype=torch.float64)
     S = torch.exp(scores + scores.T)

@@ -3,7 +3,7 @@
 Every factory returns a list of ``(hook_name, hook_fn)`` for
 ``model.run_with_hooks(tokens, fwd_hooks=...)`` on a model after ``tl_connwalk.attach(model)``;
 none changes a weight. They act on ``blocks.{l}.attn.hook_conn_messages`` (``m^h_j``, the message
-head ``h`` sends from key ``j``) or ``hook_conn_gates`` (SPEC 1.2):
+head ``h`` sends from key ``j``) or ``hook_conn_gates`` (spec §1.2):
 
 ==========================  =================================================================
 ``zero_transport``          ``m'^h = 0``: TransformerLens zero-ablation of the head at hook_z
@@ -174,7 +174,7 @@ def scalar_transport(model: Any, layer: int, head: Heads = None) -> list[Hook]:
 def uniform_gates(model: Any, layer: int) -> list[Hook]:
     """Set every gate to ``1/H``: each head's pattern becomes the walk ``W = mean_h A^h``.
 
-    The layer is then one head with transport ``sum_h T^h`` (SPEC 1.2, the single-head
+    The layer is then one head with transport ``sum_h T^h`` (spec §1.2, the single-head
     reduction): the ablation of gating.
 
     >>> logits = model.run_with_hooks(tokens, fwd_hooks=uniform_gates(model, 0))

@@ -1,4 +1,4 @@
-"""Tables over layers: layer drift and the tidy geometry table of a cache (SPEC 3, 5).
+"""Tables over layers: layer drift and the tidy geometry table of a cache (spec §3, 5).
 
 Each function reads one cache and walks its layers with a progress bar; the per-layer work is
 `tl_connwalk.residual` and the math core.
@@ -24,7 +24,7 @@ from tl_connwalk.walk import ConnectionWalk
 def layer_drift(
     cache: ActivationCache, *, exclude_sink: bool = False
 ) -> Float[Tensor, "batch transition"]:
-    """``(1/n) sum_i TV(W^l_i., W^{l+1}_i.)`` for every pair of consecutive layers (SPEC 3).
+    """``(1/n) sum_i TV(W^l_i., W^{l+1}_i.)`` for every pair of consecutive layers (spec §3).
 
     ``[batch, n_layers - 1]``; column ``l`` compares layer ``l`` with ``l + 1``. With
     ``exclude_sink`` the first key is removed and rows renormalised before comparing. Reads

@@ -70,7 +70,7 @@ def n_layers_of_model(model: nn.Module) -> int:
 def connection_walk(
     cache: ActivationCache, layer: int, model: nn.Module | None = None
 ) -> ConnectionWalk:
-    """Layer ``layer``'s attention as a connection walk, for the whole batch (SPEC 1.2).
+    """Layer ``layer``'s attention as a connection walk, for the whole batch (spec §1.2).
 
     ``walk.apply() + walk.bias()`` equals the layer's attention output (``hook_attn_out``,
     or the attention module's output in models with ``ln1_post``). Results are float32 or
@@ -98,7 +98,7 @@ def connection_walk(
 def walk_matrix(
     cache: ActivationCache, layer: int, model: nn.Module | None = None
 ) -> Float[Tensor, "batch query key"]:
-    """Layer ``layer``'s walk ``W = (1/H) sum_h A^h`` alone, from its patterns (SPEC 1.2).
+    """Layer ``layer``'s walk ``W = (1/H) sum_h A^h`` alone, from its patterns (spec §1.2).
 
     ``connection_walk(cache, layer).walk`` without the gates, field and weights: the cache
     needs only ``blocks.{layer}.attn.hook_pattern``, and the working memory is the walk
@@ -149,7 +149,7 @@ def _attention_weights(model: nn.Module, layer: int) -> list[tuple[str, Tensor]]
 def laplacian_residual(
     cache: ActivationCache, layer: int, model: nn.Module | None = None, **options: Any
 ) -> LaplacianResidual:
-    """``connection_walk(cache, layer, model).laplacian_residual(**options)`` (SPEC 2-4).
+    """``connection_walk(cache, layer, model).laplacian_residual(**options)`` (spec §2-4).
 
     >>> print(cache.laplacian_residual(-1))  # a causal walk: mu falls back to uniform
     LaplacianResidual layer 1 (batch means; mu: uniform)

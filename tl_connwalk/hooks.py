@@ -1,4 +1,4 @@
-"""The connection-walk hook points of a ``HookedTransformer`` (SPEC section 1.2).
+"""The connection-walk hook points of a ``HookedTransformer`` (spec §1.2).
 
 `install` gives every attention layer ``blocks.{l}.attn`` three new ``HookPoint`` s, listed
 in ``model.hook_dict`` like TransformerLens's own, so that ``run_with_cache``, ``run_with_hooks``,

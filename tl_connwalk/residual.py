@@ -1,7 +1,7 @@
 """``laplacian_residual``: how far a layer's generator is from a random-walk connection Laplacian.
 
-One record per layer with every condition of SPEC section 2 measured as in section 3, each
-defect beside its random baseline (SPEC 3: a defect means little without one). The record is
+One record per layer with every condition of spec §2 measured as in section 3, each
+defect beside its random baseline (spec §3: a defect means little without one). The record is
 frozen and typed, and ``to_dict()`` gives plain floats and lists for JSON.
 """
 
@@ -34,7 +34,7 @@ def _listed(value: Tensor | None) -> object:
 class LaplacianResidual:
     """How far ``L = I - P`` is from a random-walk connection Laplacian, per batch element.
 
-    Attributes (SPEC 2-4; every ``[batch]`` value is per sequence):
+    Attributes (spec §2-4; every ``[batch]`` value is per sequence):
         stochasticity: ``[batch]`` ``max_i |sum_j W_ij - 1|`` (C1).
         reversibility: ``[batch]`` ``||M - M^T||_F / ||M + M^T||_F``, ``M = diag(mu) W`` (C2).
         mu, mu_kind: the measure used, ``[batch, pos]``, and per sequence which one
@@ -53,7 +53,7 @@ class LaplacianResidual:
             norms (Gaussian factors): ``{"head_defects", "transport_defect", "field_defect"}``.
         exclude_sink: whether key 0 was dropped from the walk-weighted summaries.
         nearest_operator: with ``exact=True``, ``||P - P*||_F / ||P||_F`` to the nearest
-            random-walk connection operator (SPEC 4) and how it was evaluated (every edge, or a
+            random-walk connection operator (spec §4) and how it was evaluated (every edge, or a
             stated sample with its seed); else ``None``.
         mass_share: the requested share of each row's walk mass on whose heaviest edges
             ``transport_defect`` (and its baseline) was computed; ``None``: every edge.
@@ -145,7 +145,7 @@ def laplacian_residual(
     mass_share: float | None = None,
     query_chunk: int | None = None,
 ) -> LaplacianResidual:
-    """Measure every condition of SPEC section 2 on one layer's walk (`LaplacianResidual`).
+    """Measure every condition of spec §2 on one layer's walk (`LaplacianResidual`).
 
     Args:
         walk: the layer's `tl_connwalk.walk.ConnectionWalk`.
@@ -157,7 +157,7 @@ def laplacian_residual(
             left-padded batch it is a masked pad, so the real first token's sink is kept.
         baseline_draws: random transports per baseline (``>= 2``).
         seed: seed of the random baselines and of the edge sample.
-        exact: also build the nearest random-walk connection operator ``P*`` (SPEC 4) and
+        exact: also build the nearest random-walk connection operator ``P*`` (spec §4) and
             report ``||P - P*||_F / ||P||_F``; materialises ``d_model x d_model`` maps edge by
             edge, so on more than ``max_edges`` edges per sequence (``None``: never) it uses a
             uniform sample of that many edges, and the result says so.
@@ -276,7 +276,7 @@ def laplacian_residual(
 def isometry_defects(
     walk: "ConnectionWalk", kind: DefectKind = "gram"
 ) -> Float[Tensor, "batch query key"]:
-    """Per-edge defect of the effective transports, 0 where ``W_ij = 0`` (SPEC 3).
+    """Per-edge defect of the effective transports, 0 where ``W_ij = 0`` (spec §3).
 
     ``kind="gram"``: ``eps(T_ij)`` in closed form on every edge (``O(batch n^2 H^4)``).
     ``kind="frobenius"``: ``delta(T_ij)`` (the relative Frobenius distance to the nearest
@@ -364,7 +364,7 @@ def _layer_terms(walk: "ConnectionWalk") -> _LayerTerms:
 def _unit_scaled(tensor: Tensor) -> tuple[Tensor, float]:
     """``(c t, c)`` with ``c`` the power of two that brings ``max |t|`` nearest to 1.
 
-    Every defect is invariant under scaling the field and the transports (SPEC 3), but the
+    Every defect is invariant under scaling the field and the transports (spec §3), but the
     closed forms raise transport norms to the fourth power, which leaves float32's range for
     ``||T||_F`` beyond about 1e9 or below 1e-9. A power of two rescales without rounding
     error (the defects agree with the unscaled ones to the last bit or so); inputs whose

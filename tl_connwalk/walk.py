@@ -1,4 +1,4 @@
-"""``ConnectionWalk``: the object a user holds for one attention layer (SPEC section 1).
+"""``ConnectionWalk``: the object a user holds for one attention layer (spec §1).
 
 A frozen bundle of the walk ``W``, the gates ``g``, the field ``X`` the layer read, and the
 head weights; every method delegates to the math core in `tl_connwalk.core`. Build one
@@ -32,7 +32,7 @@ def _float_dtype(dtype: torch.dtype) -> torch.dtype:
 class ConnectionWalk:
     """One attention layer as a connection walk ``(W, T)`` acting on the field ``X``.
 
-    ``apply() + bias()`` is the layer's attention output exactly (SPEC 1.2):
+    ``apply() + bias()`` is the layer's attention output exactly (spec §1.2):
     ``y_i = sum_j W_ij x_j T_ij + c_i`` with ``T_ij = H sum_h g^h_ij W_V^h W_O^h``.
 
     Attributes:
@@ -44,7 +44,7 @@ class ConnectionWalk:
         b_V: ``[head, d_head]`` value biases (zero where the model has none).
         b_O: ``[d_model]`` output bias.
         layer: the layer index, when the walk came from a model.
-        processing: which TransformerLens weight processing the model had (SPEC 2).
+        processing: which TransformerLens weight processing the model had (spec §2).
 
     Examples:
         >>> A = torch.softmax(torch.randn(1, 2, 3, 3), -1)
@@ -77,7 +77,7 @@ class ConnectionWalk:
         layer: int | None = None,
         processing: Mapping[str, bool] | None = None,
     ) -> "ConnectionWalk":
-        """Split per-head patterns into walk and gates (SPEC 1.2); computes in float32 or wider.
+        """Split per-head patterns into walk and gates (spec §1.2); computes in float32 or wider.
 
         Shapes: ``pattern [batch, head, query, key]``, ``field [batch, key, d_model]``,
         ``W_V [head, d_model, d_head]``, ``W_O [head, d_head, d_model]``, ``b_V [head, d_head]``,
@@ -178,7 +178,7 @@ class ConnectionWalk:
         return ConnectionGenerator(self.patterns, self.W_V, self.W_O)
 
     def laplacian_residual(self, **options: Any) -> residual.LaplacianResidual:
-        """How far ``L = I - P`` is from a random-walk connection Laplacian (SPEC 2-4).
+        """How far ``L = I - P`` is from a random-walk connection Laplacian (spec §2-4).
 
         Options as `tl_connwalk.residual.laplacian_residual` (``mu``, ``alpha``,
         ``exclude_sink``, ``baseline_draws``, ``seed``, ``exact``, ``max_edges``,

@@ -19,8 +19,8 @@
 # Every attention layer moves messages along a walk matrix `W` (the heads' patterns averaged)
 # and carries each message across its edge `j -> i` with a linear map `T_ij` (the heads' OV
 # maps mixed by the gates `g^h_ij`). This notebook attaches `tl_connwalk` to a real model,
-# checks that `P X + c` reproduces the attention output on every layer (SPEC 1, claim 1 of
-# SPEC 5), and looks at one layer's walk, its gates and one edge's transport.
+# checks that `P X + c` reproduces the attention output on every layer (spec §1, claim 1 of
+# spec §5), and looks at one layer's walk, its gates and one edge's transport.
 #
 # Runs on 2 CPU cores in about a minute with the defaults; set `MODEL` to any zoo name or any
 # name `HookedTransformer.from_pretrained` accepts (on a GPU: `DEVICE = "cuda"`).

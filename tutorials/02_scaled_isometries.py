@@ -16,7 +16,7 @@
 # %% [markdown]
 # # 2. Transports as scaled isometries
 #
-# Claim 3 of the paper (SPEC 5): learned transports self-organise into approximate *scaled
+# Claim 3 of the paper (spec §5): learned transports self-organise into approximate *scaled
 # isometries*, `T = s O` with `O` orthogonal (for one head: a scaled *partial* isometry of rank
 # `d_head`). This notebook measures, layer by layer,
 #

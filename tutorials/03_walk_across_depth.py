@@ -16,7 +16,7 @@
 # %% [markdown]
 # # 3. The walk across depth
 #
-# Claim 2 of the paper (SPEC 5): effective attention graphs converge to *stable geometric
+# Claim 2 of the paper (spec §5): effective attention graphs converge to *stable geometric
 # operators* in deeper layers, i.e. the walk `W^l` changes less and less from one layer to the
 # next. We measure
 #

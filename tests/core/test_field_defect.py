@@ -1,4 +1,4 @@
-"""The field isometry defect (SPEC 3) against dense per-edge messages ``x_j T_ij`` in float64."""
+"""The field isometry defect (spec §3) against dense per-edge messages ``x_j T_ij`` in float64."""
 
 import inspect
 

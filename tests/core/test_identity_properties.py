@@ -1,4 +1,4 @@
-"""Hypothesis: the core identities of SPEC 1.2 over random shapes, dtypes, masks and seeds.
+"""Hypothesis: the core identities of spec §1.2 over random shapes, dtypes, masks and seeds.
 
 Shapes: batch 1-3, query heads 1-6 with grouped key/value heads (``n_kv`` divides ``H``;
 ``W_V^h`` is the value head that ``h`` reads), positions 1-7, ``d_model`` 1-10, ``d_head`` 1-4.

@@ -1,4 +1,4 @@
-"""Isometry and Gram defects (SPEC 3) against dense per-edge SVDs in float64.
+"""Isometry and Gram defects (spec §3) against dense per-edge SVDs in float64.
 
 The references materialise every edge's ``d_model x d_model`` transport and call
 ``torch.linalg.svdvals``; the closed forms must agree to 1e-7 (absolute, on values in [0, 1]).

@@ -1,4 +1,4 @@
-"""The nearest random-walk connection operator (SPEC 4) against dense references in float64.
+"""The nearest random-walk connection operator (spec §4) against dense references in float64.
 
 The reference builds ``P`` and ``P*`` as dense ``(n d_model) x (n d_model)`` block matrices by
 loops, with its own polar factor ``B (B^T B)^{-1/2}`` (an eigendecomposition, not an SVD), and

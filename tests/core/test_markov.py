@@ -1,4 +1,4 @@
-"""Markov-chain measurements of the walk and the pairing residual (SPEC 2-3), in float64.
+"""Markov-chain measurements of the walk and the pairing residual (spec §2-3), in float64.
 
 References: eigenvectors from ``torch.linalg.eig``, explicit loops over rows, and dense per-edge
 transports for the pairing residual (compared at 1e-7: its closed form subtracts nearly equal

@@ -1,4 +1,4 @@
-"""The connection-walk decomposition (SPEC 1) against slow, per-edge references in float64."""
+"""The connection-walk decomposition (spec §1) against slow, per-edge references in float64."""
 
 import torch
 from einops import einsum

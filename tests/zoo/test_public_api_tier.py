@@ -120,7 +120,7 @@ def test_public_api_leaves_the_model_as_it_was(model):
     for layer in (0, last):
         walk = cache.connection_walk(layer)
         assert walk.layer == layer
-        # SPEC 1.2: apply() + bias() is the attention output
+        # spec §1.2: apply() + bias() is the attention output
         assert_close(walk.apply() + walk.bias(), outputs[layer])
         # W_ij T_ij = sum_h A^h_ij W_V^h W_O^h on one edge, against the cached pattern
         query, key = tokens.shape[1] - 1, 1

@@ -55,7 +55,7 @@ def _weights(model: nn.Module, layer: int) -> tuple[Tensor, Tensor, Tensor, Tens
 
 
 def processing(model: nn.Module, layer: int) -> dict[str, bool]:
-    """The Bridge's mode and the weight processing one layer shows (SPEC 2)."""
+    """The Bridge's mode and the weight processing one layer shows (spec §2)."""
     bridge = _bridge(model)
     attn = bridge.blocks[layer].attn
     b_V = attn.b_V

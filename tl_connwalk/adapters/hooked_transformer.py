@@ -1,4 +1,4 @@
-"""Adapter for TransformerLens ``HookedTransformer`` and ``HookedEncoder`` (SPEC section 0).
+"""Adapter for TransformerLens ``HookedTransformer`` and ``HookedEncoder`` (spec §0).
 
 Both classes exist in TransformerLens 3.x and were removed in 4.0; there ``supports`` is
 always false. The field ``x_j`` is exactly the vector the value projection reads:
@@ -87,7 +87,7 @@ def required_hooks(model: nn.Module, layer: int) -> list[str]:
 
 
 def processing(model: nn.Module, layer: int) -> dict[str, bool]:
-    """The weight processing the model had, read off its config and one layer's weights (SPEC 2).
+    """The weight processing the model had, read off its config and one layer's weights (spec §2).
 
     TransformerLens does not record it, so ``center_writing_weights`` and
     ``fold_value_biases`` are inferred: every ``W_O`` output centred, every ``b_V`` zero.

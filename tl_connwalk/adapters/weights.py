@@ -15,7 +15,7 @@ def expand_kv_heads(weight: Tensor, n_heads: int) -> Tensor:
 
 
 def inferred_processing(W_O: Tensor, b_V: Tensor | None) -> dict[str, bool]:
-    """``center_writing_weights`` and ``fold_value_biases`` as the weights show them (SPEC 2).
+    """``center_writing_weights`` and ``fold_value_biases`` as the weights show them (spec §2).
 
     TransformerLens records neither: ``W_O`` centred means every output row of every head has
     mean zero over ``d_model`` (to float rounding); value biases folded means ``b_V`` is zero or

@@ -1,1 +1,1 @@
-"""The math core: pure functions on tensors, one module per SPEC section. Knows no model class."""
+"""The math core: pure functions on tensors, one module per section of the spec (docs/spec.md). Knows no model class."""

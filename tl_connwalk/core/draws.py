@@ -1,4 +1,4 @@
-"""Random-baseline draws shared by every layer of one shape (SPEC 3, "random baseline").
+"""Random-baseline draws shared by every layer of one shape (spec §3, "random baseline").
 
 `tl_connwalk.core.isometry.random_head_factors` draws Gaussian factors ``R_V, R_O`` and gives
 head ``h`` of both the factor ``sqrt(s_h)``, ``s_h = ||T^h||_F / ||R^h||_F`` with

@@ -1,4 +1,4 @@
-"""The data-dependent field isometry defect (SPEC section 3).
+"""The data-dependent field isometry defect (spec §3).
 
 Weight-only defects ask whether a transport scales *every* direction alike; this one asks it
 only of the messages actually sent. For the edge ``j -> i`` carrying ``x_j``,
@@ -475,7 +475,7 @@ def head_field_isometry_defects(
     rho = head_message_norm_ratios(field, W_V, W_O, grams=grams)  # [batch, key, head]
     walk_w, gates_w = walk.to(rho), gates.to(rho)
     if has_negative(walk_w):
-        raise ConnWalkError("walk has negative entries; a walk matrix is >= 0 (SPEC 1).")
+        raise ConnWalkError("walk has negative entries; a walk matrix is >= 0 (spec §1).")
     n_heads = gates.shape[1]
     # the value rho^h_j depends on the key only, so every walk-weighted sum over edges is a sum
     # over keys of column weights: no [batch, head, query, key] tensor beyond the gates

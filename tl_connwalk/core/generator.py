@@ -1,4 +1,4 @@
-"""The generator ``L = I - P`` of a connection walk as an operator (SPEC section 1).
+"""The generator ``L = I - P`` of a connection walk as an operator (spec §1).
 
 Known by its action on fields, like scipy's ``LinearOperator``; dense only on request. Row
 vectors throughout: a field ``X`` is ``[batch, pos, d_model]`` and its flattening ``vec(X)``

@@ -1,7 +1,7 @@
 """What the Gram defects need of a layer's head maps alone, computed once per set of weights.
 
 The head transports ``T^h = W_V^h W_O^h`` give the head Grams ``K2``, the folded ``K4`` and
-the head defects (SPEC 3; `tl_connwalk.core.isometry.gram_matrices`, `isometry.fold_pairs`,
+the head defects (spec §3; `tl_connwalk.core.isometry.gram_matrices`, `isometry.fold_pairs`,
 `isometry.head_transport_defects`) and, for layers with ``H d_head <= OUT_GRAM_WIDTH``, the
 upper block rows of the output Gram ``W_O^cat W_O^cat^T`` that spare the field defect its
 messages (`tl_connwalk.core.field_defect.message_grams`). They depend on the weights, not on the

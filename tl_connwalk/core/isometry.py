@@ -1,4 +1,4 @@
-"""How far transports are from scaled isometries (SPEC sections 2-3), from weights and gates.
+"""How far transports are from scaled isometries (spec §2-3), from weights and gates.
 
 Pure functions on tensors. A map ``T`` of rank ``r`` with top singular values ``sigma_1..r`` has
 
@@ -88,7 +88,7 @@ def _ratio_defect(
 
 
 def isometry_defect(sigma: Float[Tensor, "*batch singular"], rank: int) -> Float[Tensor, "*batch"]:
-    """``delta = sqrt(1 - (sum sigma_k)^2 / (r sum sigma_k^2))`` over the top ``r`` values (SPEC 3).
+    """``delta = sqrt(1 - (sum sigma_k)^2 / (r sum sigma_k^2))`` over the top ``r`` values (spec §3).
 
     The relative Frobenius distance from ``T`` (restricted to its top ``r`` directions) to the
     nearest ``s U V^T``, ``s = mean sigma``. Evaluated as ``sum (sigma - s)^2 / sum sigma^2``,
@@ -106,7 +106,7 @@ def isometry_defect(sigma: Float[Tensor, "*batch singular"], rank: int) -> Float
 
 
 def gram_defect(sigma: Float[Tensor, "*batch singular"], rank: int) -> Float[Tensor, "*batch"]:
-    """``eps = sqrt(1 - (sum sigma_k^2)^2 / (r sum sigma_k^4))`` over the top ``r`` values (SPEC 3).
+    """``eps = sqrt(1 - (sum sigma_k^2)^2 / (r sum sigma_k^4))`` over the top ``r`` values (spec §3).
 
     The relative Frobenius distance from ``T^T T`` to the nearest multiple of a rank-``r``
     projection. Evaluated as ``sum (sigma^2 - mean sigma^2)^2 / sum sigma^4``. Zero map: 0.
@@ -121,7 +121,7 @@ def gram_defect(sigma: Float[Tensor, "*batch singular"], rank: int) -> Float[Ten
 
 
 def frobenius_scale(sigma: Float[Tensor, "*batch singular"], rank: int) -> Float[Tensor, "*batch"]:
-    """The Frobenius scale ``s = sqrt(sum sigma_k^2 / r)`` over the top ``r`` values (SPEC 4).
+    """The Frobenius scale ``s = sqrt(sum sigma_k^2 / r)`` over the top ``r`` values (spec §4).
 
     >>> frobenius_scale(torch.tensor([3.0, 4.0]), rank=2)  # sqrt(25 / 2)
     tensor(3.5355)
@@ -170,7 +170,7 @@ def head_singular_values(
 def head_transport_defects(
     W_V: Float[Tensor, "head d_model d_head"], W_O: Float[Tensor, "head d_head d_model"]
 ) -> Float[Tensor, " head"]:
-    """The head transport defects ``delta(T^h)`` with ``r = d_head`` (SPEC 3), ``[head]``.
+    """The head transport defects ``delta(T^h)`` with ``r = d_head`` (spec §3), ``[head]``.
 
     A head's OV map can at best be a scaled *partial* isometry of rank ``d_head``
     (``min(d_model, d_head)`` if ``d_model`` is smaller). A zero head gives 0.
@@ -186,7 +186,7 @@ def head_transport_defects(
 def effective_rank(
     W_V: Float[Tensor, "head d_model d_head"], W_O: Float[Tensor, "head d_head d_model"]
 ) -> int:
-    """``r = min(d_model, H d_head)``: the rank an effective transport ``T_ij`` can have (SPEC 3).
+    """``r = min(d_model, H d_head)``: the rank an effective transport ``T_ij`` can have (spec §3).
 
     >>> effective_rank(torch.randn(12, 768, 64), torch.randn(12, 64, 768))
     768
@@ -245,7 +245,7 @@ def head_factor_grams(
 def head_gram(
     W_V: Float[Tensor, "head d_model d_head"], W_O: Float[Tensor, "head d_head d_model"]
 ) -> Float[Tensor, "head head"]:
-    """``K2[a,b] = tr(T^a^T T^b) = <T^a, T^b>_F`` (SPEC 3), from ``d_head x d_head`` products.
+    """``K2[a,b] = tr(T^a^T T^b) = <T^a, T^b>_F`` (spec §3), from ``d_head x d_head`` products.
 
     ``tr(W_O^a^T W_V^a^T W_V^b W_O^b) = tr(GV[a,b] GO[b,a])``; the diagonal is ``||T^h||_F^2``.
     One row ``a`` at a time: working memory ``O(H d_head^2)``, never the ``H^2 d_head^2`` Grams.
@@ -268,7 +268,7 @@ def head_mixed_gram(
     """``KM[a,b] = tr(T^a T^b) = <T^a^T, T^b>_F``, the Gram that pairs a map with a transpose.
 
     ``tr(W_V^a W_O^a W_V^b W_O^b) = tr(C[a,b] C[b,a])`` with ``C[a,b] = W_O^a W_V^b``
-    (``d_head x d_head``). Used by the pairing residual (SPEC 3). A row ``a`` at a time (each
+    (``d_head x d_head``). Used by the pairing residual (spec §3). A row ``a`` at a time (each
     ``C`` computed twice): working memory ``O(H d_head^2)``, not the ``H^2 d_head^2`` of ``C``.
 
     >>> head_mixed_gram(torch.randn(2, 8, 4), torch.randn(2, 4, 8)).shape
@@ -573,7 +573,7 @@ def edge_gram_defects(
     edges: Bool[Tensor, "batch query key"] | None = None,
     query_chunk: int | None = None,
 ) -> Float[Tensor, "batch query key"]:
-    """The effective transport defect ``eps(T_ij)`` on every edge, in closed form (SPEC 3).
+    """The effective transport defect ``eps(T_ij)`` on every edge, in closed form (spec §3).
 
     ``sum sigma^2 = H^2 g^T K2 g`` and ``sum sigma^4 = H^4 sum g^a g^b g^c g^e K4[a,b,c,e]``, so
     ``eps_ij = sqrt(1 - (sum sigma^2)^2 / (r sum sigma^4))`` with no per-edge map. It equals the
@@ -776,7 +776,7 @@ def edge_frobenius_scales(
 ) -> Float[Tensor, "batch query key"]:
     """Each edge's Frobenius scale ``s_ij = sqrt(sum sigma^2(T_ij) / r) = ||T_ij||_F / sqrt(r)``.
 
-    ``||T_ij||_F^2 = H^2 g_ij^T K2 g_ij`` (SPEC 3-4). 0 on non-edges when ``walk`` is given.
+    ``||T_ij||_F^2 = H^2 g_ij^T K2 g_ij`` (spec §3-4). 0 on non-edges when ``walk`` is given.
     ``query_chunk`` as in `edge_gram_defects`.
 
     >>> K2 = head_gram(torch.randn(2, 8, 4), torch.randn(2, 4, 8))
@@ -800,7 +800,7 @@ def edge_singular_values(
 
     ``T_ij = W_V^cat diag(H g_ij (x) 1) W_O^cat``; one QR of each concatenated factor reduces
     every edge to a ``rank x rank`` core. Costs ``O(batch n^2 rank^3)``: for ``delta`` on
-    small problems or a sample of edges ("where affordable", SPEC 3); ``eps`` on all edges is
+    small problems or a sample of edges ("where affordable", spec §3); ``eps`` on all edges is
     `edge_gram_defects`.
 
     >>> A = torch.softmax(torch.randn(1, 2, 3, 3), -1)
@@ -896,7 +896,7 @@ def _edge_weights(walk: Tensor, exclude_sink: bool, edges: Tensor | None) -> tup
         raise ConnWalkError(f"walk must be [batch, query, key], got {tuple(walk.shape)}.")
     weights = walk.to(working_dtype(walk))
     if has_negative(weights):
-        raise ConnWalkError("walk has negative entries; a walk matrix is >= 0 (SPEC 1).")
+        raise ConnWalkError("walk has negative entries; a walk matrix is >= 0 (spec §1).")
     if not exclude_sink and edges is None:
         has_mass = reduce(weights, "batch query key -> batch query", "sum") > 0
         return weights, reduce(has_mass.to(weights.dtype), "batch query -> batch", "sum")
@@ -933,7 +933,7 @@ def walk_weighted_mean(
     exclude_sink: bool = False,
     edges: Bool[Tensor, "batch query key"] | None = None,
 ) -> Float[Tensor, " batch"]:
-    """The walk-weighted summary ``(1/n) sum_ij W_ij v_ij`` of per-edge values (SPEC 3).
+    """The walk-weighted summary ``(1/n) sum_ij W_ij v_ij`` of per-edge values (spec §3).
 
     ``n`` counts the rows with mass (a fully masked row, e.g. a padding query, is left out).
     ``exclude_sink=True`` drops key 0 (the attention sink) and renormalises every row over the
@@ -988,7 +988,7 @@ def effective_transport_defect(
     edges: Bool[Tensor, "batch query key"] | None = None,
     query_chunk: int | None = None,
 ) -> Float[Tensor, " batch"]:
-    """``(1/n) sum_ij W_ij eps(T_ij)`` with ``r = min(d_model, H d_head)`` (SPEC 3).
+    """``(1/n) sum_ij W_ij eps(T_ij)`` with ``r = min(d_model, H d_head)`` (spec §3).
 
     With ``edges`` (e.g. `heaviest_edges` of a mass share) ``eps`` is computed on those
     edges only and the mean is `walk_weighted_mean` restricted to them (rows
@@ -1017,7 +1017,7 @@ def common_scale(
     exclude_sink: bool = False,
     query_chunk: int | None = None,
 ) -> Float[Tensor, " batch"]:
-    """The common scale ``s``: walk-weighted mean of ``||T_ij||_F / sqrt(r)`` (SPEC 4).
+    """The common scale ``s``: walk-weighted mean of ``||T_ij||_F / sqrt(r)`` (spec §4).
 
     >>> Q = torch.linalg.qr(torch.randn(4, 4)).Q
     >>> common_scale(torch.full((1, 3, 3), 1 / 3), torch.ones(1, 1, 3, 3), 2 * Q[None],
@@ -1080,7 +1080,7 @@ def draw_scales(target_sq: Float[Tensor, " head"], drawn_sq: Float[Tensor, " hea
 
 @dataclasses.dataclass(frozen=True)
 class RandomBaseline:
-    """A measurement repeated on random transports (SPEC 3): every draw, their mean and spread.
+    """A measurement repeated on random transports (spec §3): every draw, their mean and spread.
 
     ``std`` is the sample standard deviation over draws (``n_draws >= 2``).
     """
@@ -1113,7 +1113,7 @@ def random_baseline(
 ) -> RandomBaseline:
     """``measure(W_V', W_O')`` on ``n_draws`` random factor pairs (`random_head_factors`).
 
-    Same shapes and same head Frobenius norms, Gaussian factors (SPEC 3). ``seed`` is an integer
+    Same shapes and same head Frobenius norms, Gaussian factors (spec §3). ``seed`` is an integer
     (a fresh generator on the weights' device) or a ``torch.Generator``.
 
     >>> base = random_baseline(head_transport_defects, torch.randn(2, 16, 4),

@@ -1,12 +1,12 @@
-"""The nearest random-walk connection operator ``P*`` and the distance to it (SPEC section 4).
+"""The nearest random-walk connection operator ``P*`` and the distance to it (spec §4).
 
-Pure functions on tensors. Given a connection walk ``(W, T)`` (SPEC 1.2), a measure ``mu`` and a
+Pure functions on tensors. Given a connection walk ``(W, T)`` (spec §1.2), a measure ``mu`` and a
 common scale ``s``, the nearest random-walk connection operator replaces
 
     the walk        W*_ij = M_ij / sum_k M_ik,   M_ij = (mu_i W_ij + mu_j W_ji) / 2
     the transports  s O*_ij,                     O*_ij = polar((T_ij + T_ji^T) / 2)
 
-so that ``P*`` satisfies (C1)-(C3) up to the scale ``s`` (SPEC 2), and the distance is
+so that ``P*`` satisfies (C1)-(C3) up to the scale ``s`` (spec §2), and the distance is
 
     ||P - P*||_F / ||P||_F,   ||P - P*||_F^2 = sum_ij ||W_ij T_ij - W*_ij s O*_ij||_F^2,
                               ||P||_F^2     = sum_ij W_ij^2 ||T_ij||_F^2.
@@ -36,7 +36,7 @@ _TENSORS_PER_EDGE = 10
 def reversibilised_walk(
     walk: Float[Tensor, "batch query key"], mu: Float[Tensor, "batch query"]
 ) -> Float[Tensor, "batch query key"]:
-    """``W*_ij = M_ij / sum_k M_ik`` with ``M_ij = (mu_i W_ij + mu_j W_ji) / 2`` (SPEC 4).
+    """``W*_ij = M_ij / sum_k M_ik`` with ``M_ij = (mu_i W_ij + mu_j W_ji) / 2`` (spec §4).
 
     ``M`` is symmetric, so ``W*`` is row-stochastic and reversible with respect to the row sums
     of ``M`` (which is ``mu`` itself when ``W`` is already stochastic and reversible w.r.t.
@@ -120,7 +120,7 @@ def nearest_connection_operator_distance(
     max_edges: int | None = None,
     seed: int = 0,
 ) -> NearestOperatorDistance:
-    """``||P - P*||_F / ||P||_F`` to the nearest random-walk connection operator (SPEC 4).
+    """``||P - P*||_F / ||P||_F`` to the nearest random-walk connection operator (spec §4).
 
     ``P`` is the connection walk with ``W_ij`` and ``T_ij = H sum_h g^h_ij W_V^h W_O^h``;
     ``P*`` has the walk `reversibilised_walk` ``W*`` (of ``mu``, e.g. the ``mu`` of
@@ -251,7 +251,7 @@ def _check_scale(scale: Tensor | float, walk64: Tensor) -> Tensor:
     else:
         scale64 = torch.full((batch,), float(scale), dtype=torch.float64, device=walk64.device)
     if not torch.isfinite(scale64).all() or (scale64 < 0).any():
-        raise ConnWalkError("scale must be finite and >= 0 (a common scale s of s O, SPEC 2).")
+        raise ConnWalkError("scale must be finite and >= 0 (a common scale s of s O, spec §2).")
     return scale64
 
 

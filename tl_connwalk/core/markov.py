@@ -1,4 +1,4 @@
-"""The walk as a Markov chain: conditions (C1)-(C2), layer drift and pairing (SPEC sections 2-3).
+"""The walk as a Markov chain: conditions (C1)-(C2), layer drift and pairing (spec §2-3).
 
 Pure functions on tensors. A walk ``W`` is ``[batch, query, key]``, row ``i`` the distribution
 of the step out of position ``i``. The measurements:
@@ -52,12 +52,12 @@ def _check_walk(walk: Tensor, name: str = "walk", square: bool = True) -> Tensor
     if not all_finite(walk64):
         raise ConnWalkError(f"{name} has NaN or inf entries (a fully masked row?).")
     if has_negative(walk64):
-        raise ConnWalkError(f"{name} has negative entries; a walk matrix is >= 0 (SPEC 1).")
+        raise ConnWalkError(f"{name} has negative entries; a walk matrix is >= 0 (spec §1).")
     return walk64
 
 
 def stochasticity_residual(walk: Float[Tensor, "batch query key"]) -> Float[Tensor, " batch"]:
-    """``max_i |sum_j W_ij - 1|`` (SPEC 3): zero exactly under (C1).
+    """``max_i |sum_j W_ij - 1|`` (spec §3): zero exactly under (C1).
 
     >>> stochasticity_residual(torch.softmax(torch.randn(2, 4, 4), -1)) < 1e-6  # rounding only
     tensor([True, True])
@@ -188,7 +188,7 @@ def reversibility_residual(
     *,
     alpha: float = 0.85,
 ) -> ReversibilityResidual:
-    """``||M - M^T||_F / ||M + M^T||_F`` with ``M = diag(mu) W`` (SPEC 3): zero under (C2).
+    """``||M - M^T||_F / ||M + M^T||_F`` with ``M = diag(mu) W`` (spec §3): zero under (C2).
 
     ``mu``: ``"stationary"`` (default; the stationary distribution where the walk is
     irreducible, else uniform, and the result says which), ``"uniform"``, ``"teleport"`` (the
@@ -238,7 +238,7 @@ def layer_drift(
     *,
     exclude_sink: bool = False,
 ) -> Float[Tensor, " batch"]:
-    """``(1/n) sum_i TV(W^a_i., W^b_i.)``, ``TV`` half the L1 distance of two rows (SPEC 3).
+    """``(1/n) sum_i TV(W^a_i., W^b_i.)``, ``TV`` half the L1 distance of two rows (spec §3).
 
     The mean is over the rows with mass in either walk (a fully masked row, e.g. padding, is
     not a row of the walk; none left: 0).
@@ -361,7 +361,7 @@ def pairing_residual(
     exclude_sink: bool = False,
     query_chunk: int | None = None,
 ) -> PairingResidual:
-    """The pairing residual ``||T_ji - T_ij^T||_F / ||T_ij||_F``, walk-weighted (SPEC 3).
+    """The pairing residual ``||T_ji - T_ij^T||_F / ||T_ij||_F``, walk-weighted (spec §3).
 
     Averaged over the edges present in both directions (``W_ij > 0`` and ``W_ji > 0``,
     diagonal included: ``T_ii`` must be symmetric) with the restricted weights of

@@ -1,4 +1,4 @@
-"""The per-edge quadratic and quartic forms of the gates, monomial by monomial (SPEC 3).
+"""The per-edge quadratic and quartic forms of the gates, monomial by monomial (spec §3).
 
 The Gram defect of an edge's effective transport (`tl_connwalk.core.isometry`) needs, for its
 gates ``g`` (``H`` heads) and each transport family (a layer, its random draws) with head Grams

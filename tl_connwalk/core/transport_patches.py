@@ -1,4 +1,4 @@
-"""Patched head transports, as maps on the messages a head already sends (SPEC sections 1-3).
+"""Patched head transports, as maps on the messages a head already sends (spec §1-3).
 
 Pure functions on tensors. Head ``h`` sends ``m^h_j = v^h_j W_O^h`` with the value
 ``v^h_j = x_j W_V^h + b_V^h``; its transport is ``T^h = W_V^h W_O^h = U S V^T``, with ``U``, ``V``

@@ -1,4 +1,4 @@
-"""Connection walks from attention: walk, gates, transports and their action (SPEC section 1).
+"""Connection walks from attention: walk, gates, transports and their action (spec §1).
 
 Pure functions on tensors; nothing here knows a model class. Row vectors throughout, as in
 TransformerLens: a message from key ``j`` to query ``i`` is ``x_j @ T_ij``.
@@ -23,7 +23,7 @@ from transformer_lens import FactoredMatrix
 
 
 def walk_matrix(pattern: Float[Tensor, "batch head query key"]) -> Float[Tensor, "batch query key"]:
-    """The walk ``W_ij = (1/H) sum_h A^h_ij`` (SPEC 1.2); row-stochastic when every head is.
+    """The walk ``W_ij = (1/H) sum_h A^h_ij`` (spec §1.2); row-stochastic when every head is.
 
     >>> A = torch.softmax(torch.randn(2, 4, 5, 5), -1)
     >>> walk_matrix(A).sum(-1)
@@ -33,7 +33,7 @@ def walk_matrix(pattern: Float[Tensor, "batch head query key"]) -> Float[Tensor,
 
 
 def gates(pattern: Float[Tensor, "batch head query key"]) -> Float[Tensor, "batch head query key"]:
-    """The gates ``g^h_ij = A^h_ij / sum_h' A^h'_ij`` (SPEC 1.2), uniform ``1/H`` on non-edges.
+    """The gates ``g^h_ij = A^h_ij / sum_h' A^h'_ij`` (spec §1.2), uniform ``1/H`` on non-edges.
 
     ``g >= 0`` and ``sum_h g^h_ij = 1`` on every pair ``(i, j)``, edge or not, so that
     `patterns_from_walk` inverts the split exactly.
@@ -127,7 +127,7 @@ def attention_bias(
     W_O: Float[Tensor, "head d_head d_model"],
     b_O: Float[Tensor, " d_model"],
 ) -> Float[Tensor, "batch query d_model"]:
-    """The bias ``c_i = sum_h (sum_j A^h_ij) b_V^h W_O^h + b_O`` (SPEC 1.2).
+    """The bias ``c_i = sum_h (sum_j A^h_ij) b_V^h W_O^h + b_O`` (spec §1.2).
 
     ``sum_j A^h_ij`` is 1 for softmax rows, smaller with attention sinks or masked rows.
 

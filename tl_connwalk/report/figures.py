@@ -1,7 +1,7 @@
 """The report's figures, as PNG files: walks, head defects, drift, the residual and the scale.
 
 Each figure says in its title what is plotted and in which units (every quantity here is
-dimensionless), labels both axes and draws the random baseline beside every defect (SPEC 3: a
+dimensionless), labels both axes and draws the random baseline beside every defect (spec §3: a
 defect means little without one). Built on ``matplotlib.figure.Figure`` with the Agg canvas,
 never ``pyplot``: no global backend or state is touched.
 """
@@ -123,7 +123,7 @@ def _defect_panel(ax: Axes, summary: pd.DataFrame, column: str, draws: int) -> N
 
 
 def residual_components(summary: pd.DataFrame, draws: int, subtitle: str, path: Path) -> Path:
-    """The laplacian residual's components by layer (SPEC 2-4), one panel each."""
+    """The laplacian residual's components by layer (spec §2-4), one panel each."""
     fig = Figure(figsize=(15, 8.5), layout="constrained")
     axes = fig.subplots(2, 3)
     layers = summary["layer"]

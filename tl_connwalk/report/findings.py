@@ -1,4 +1,4 @@
-"""The report's headline numbers: the paper's testable claims (SPEC 5) read off the tables.
+"""The report's headline numbers: the paper's testable claims (spec §5) read off the tables.
 
 Plain statements with their numbers, never a verdict the numbers do not carry: "below the
 random baseline" means below its mean minus two standard deviations over draws.

@@ -1,9 +1,9 @@
 """The report's measurements: one forward pass, then every layer's walk, residuals and identity.
 
 Per analysed layer: the identity check ``max|apply() + bias() - attention output| /
-max|output|`` (SPEC 1.2), `laplacian_residual` with the sink kept and
-with it excluded (SPEC 3-4), and the walk matrix of the heatmap layers; over all layers the
-layer drift (SPEC 3). `summary_frame` folds the residuals into one row per layer, the table
+max|output|`` (spec §1.2), `laplacian_residual` with the sink kept and
+with it excluded (spec §3-4), and the walk matrix of the heatmap layers; over all layers the
+layer drift (spec §3). `summary_frame` folds the residuals into one row per layer, the table
 the terminal, the figures and the HTML page show.
 """
 
