@@ -88,7 +88,7 @@ def _ratio_defect(
 
 
 def isometry_defect(sigma: Float[Tensor, "*batch singular"], rank: int) -> Float[Tensor, "*batch"]:
-    """``delta = sqrt(1 - (sum sigma_k)^2 / (r sum sigma_k^2))`` over the top ``r`` values (spec §3).
+    """``delta = sqrt(1 - (sum sigma_k)^2 / (r sum sigma_k^2))``, top ``r`` values (spec §3).
 
     The relative Frobenius distance from ``T`` (restricted to its top ``r`` directions) to the
     nearest ``s U V^T``, ``s = mean sigma``. Evaluated as ``sum (sigma - s)^2 / sum sigma^2``,
@@ -106,7 +106,7 @@ def isometry_defect(sigma: Float[Tensor, "*batch singular"], rank: int) -> Float
 
 
 def gram_defect(sigma: Float[Tensor, "*batch singular"], rank: int) -> Float[Tensor, "*batch"]:
-    """``eps = sqrt(1 - (sum sigma_k^2)^2 / (r sum sigma_k^4))`` over the top ``r`` values (spec §3).
+    """``eps = sqrt(1 - (sum sigma_k^2)^2 / (r sum sigma_k^4))``, top ``r`` values (spec §3).
 
     The relative Frobenius distance from ``T^T T`` to the nearest multiple of a rank-``r``
     projection. Evaluated as ``sum (sigma^2 - mean sigma^2)^2 / sum sigma^4``. Zero map: 0.
