@@ -8,6 +8,9 @@
 >>> torch.testing.assert_close(walk.apply() + walk.bias(), output)
 """
 
+import importlib
+from types import ModuleType
+
 from tl_connwalk.analysis import geometry_table as geometry_table
 from tl_connwalk.analysis import layer_drift as layer_drift
 from tl_connwalk.cache import connection_walk as connection_walk
@@ -25,6 +28,22 @@ from tl_connwalk.residual import LaplacianResidual as LaplacianResidual
 from tl_connwalk.walk import ConnectionWalk as ConnectionWalk
 
 __version__ = "0.1.0.dev0"
+
+# Submodules reachable as attributes (`tl_connwalk.zoo.load(...)`) but imported only on first
+# use: they pull in heavier dependencies (gguf, transformers' model classes) that
+# `import tl_connwalk` should not pay for.
+_LAZY_SUBMODULES = ("ablations", "toy", "zoo")
+
+
+def __getattr__(name: str) -> ModuleType:
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY_SUBMODULES))
+
 
 __all__ = [
     "ConnWalkError",
