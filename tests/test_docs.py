@@ -164,12 +164,24 @@ def test_built_site_loads_nothing_from_other_hosts():
     assert (site / hooks.VENDOR / "LICENSE").is_file()
 
 
-def test_benchmarks_page_includes_the_benchmarks_readme():
-    page = (DOCS / "benchmarks.md").read_text()
-    assert '--8<-- "benchmarks/README.md"' in page
-    assert (ROOT / "benchmarks" / "README.md").is_file()
+def test_performance_page_includes_the_benchmark_commands():
+    page = (DOCS / "performance.md").read_text()
+    assert '--8<-- "benchmarks/README.md:run"' in page
+    readme = (ROOT / "benchmarks" / "README.md").read_text()
+    assert "--8<-- [start:run]" in readme and "--8<-- [end:run]" in readme
     extensions = mkdocs_config()["markdown_extensions"]
     assert any(isinstance(e, dict) and "pymdownx.snippets" in e for e in extensions)
+
+
+def test_spec_page_keeps_the_section_numbers_the_code_cites():
+    """Docstrings and errors cite "spec §N": the page keeps sections §0 to §6, and is in the nav."""
+    assert "spec.md" in str(mkdocs_config()["nav"])
+    headings = re.findall(r"^## §(\d+)\.", (DOCS / "spec.md").read_text(), re.MULTILINE)
+    assert headings == [str(n) for n in range(7)]
+    cited = set()
+    for path in (ROOT / "tl_connwalk").rglob("*.py"):
+        cited |= set(re.findall(r"spec §(\d+)", path.read_text(encoding="utf-8")))
+    assert cited <= set(headings), f"code cites spec sections the page lacks: {cited}"
 
 
 def test_every_tutorial_has_a_page_in_the_nav():
