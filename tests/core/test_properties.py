@@ -1,4 +1,4 @@
-"""Property tests of the geometry (issue 3): head permutations and mu-self-adjointness.
+"""Property tests of the geometry: head permutations and mu-self-adjointness.
 
 Relabelling the heads (permuting ``W_V``, ``W_O``, ``b_V`` and the gates' head axis together)
 is the same attention layer, so every measurement must be unchanged, and per-head ones permuted

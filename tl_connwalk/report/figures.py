@@ -17,7 +17,10 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 DPI = 110
-SINK_STYLES = {"": ("with sink (key 0 kept)", "C0", "-"), "_nosink": ("sink excluded", "C2", "--")}
+SINK_STYLES = {
+    "": ("with sink (key 0 kept)", "C0", "-"),
+    "_nosink": ("no sink (key 0 dropped)", "C2", "--"),
+}
 BASELINE_COLOR = "C1"
 #: the identity check's pass bound (relative error, float32)
 IDENTITY_BOUND = 1e-5
@@ -119,63 +122,115 @@ def _defect_panel(ax: Axes, summary: pd.DataFrame, column: str, draws: int) -> N
         ax.plot(summary["layer"], mean, color=color, linestyle=":", alpha=0.9,
                 label=f"random ± std ({draws} draws), {label}")  # fmt: skip
         ax.fill_between(summary["layer"], mean - std, mean + std, color=color, alpha=0.2)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize="x-small")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1, fontsize="x-small")
 
 
-def residual_components(summary: pd.DataFrame, draws: int, subtitle: str, path: Path) -> Path:
-    """The laplacian residual's components by layer (spec §2-4), one panel each."""
-    fig = Figure(figsize=(15, 8.5), layout="constrained")
-    axes = fig.subplots(2, 3)
-    layers = summary["layer"]
+def residual_omissions(summary: pd.DataFrame, noise: float) -> dict[str, str]:
+    """The residual figure's panels with nothing to show, each with the sentence that replaces it.
 
-    ax = axes[0, 0]
-    ax.plot(layers, summary["stochasticity"], marker="o", ms=3, color="C0")
-    ax.set_title("(C1) stochasticity  max_i |Σ_j W_ij - 1|")
+    ``"stochasticity"`` when every layer's ``max_i |Σ_j W_ij - 1|`` is at most ``noise`` (float
+    rounding of a row sum), ``"pairing"`` when no layer has an edge in both directions (causal
+    walks: not applicable), ``"identity"`` when every layer's relative error is within
+    `IDENTITY_BOUND`. A panel whose numbers carry information is never left out.
+    """
+    omitted = {}
+    worst = float(summary["stochasticity"].max())
+    if worst <= noise:
+        omitted["stochasticity"] = (
+            f"(C1) stochasticity is not drawn: every walk row sums to 1 up to float rounding "
+            f"on every layer (max_i |Σ_j W_ij - 1| = {worst:.1e}, rounding bound {noise:.1e})."
+        )
+    pairing = [column for column in ("pairing", "pairing_nosink") if column in summary]
+    if all(summary[column].isna().all() for column in pairing):
+        omitted["pairing"] = (
+            "(C3) pairing is not drawn: not applicable, causal walks have no edge in both "
+            "directions."
+        )
+    worst = float(summary["identity_error"].max())
+    if worst <= IDENTITY_BOUND:
+        omitted["identity"] = (
+            f"The identity PX + c = attention output is not drawn: it holds on every layer "
+            f"(worst relative error {worst:.1e}, bound {IDENTITY_BOUND:g})."
+        )
+    return omitted
+
+
+def _stochasticity_panel(ax: Axes, summary: pd.DataFrame, draws: int) -> None:
+    ax.plot(summary["layer"], summary["stochasticity"], marker="o", ms=3, color="C0")
+    ax.set_title("(C1) stochasticity\nmax_i |Σ_j W_ij - 1|")
     ax.set_ylabel("residual (0 = rows sum to 1)")
     ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     ax.set_ylim(bottom=0)
 
-    ax = axes[0, 1]
+
+def _reversibility_panel(ax: Axes, summary: pd.DataFrame, draws: int) -> None:
     mu = ",".join(sorted(set(",".join(summary["mu"]).split(","))))
-    ax.plot(layers, summary["reversibility"], marker="o", ms=3, color="C0")
-    ax.set_title(f"(C2) reversibility  ‖M - Mᵀ‖/‖M + Mᵀ‖, M = diag(μ)W  (μ: {mu})")
+    ax.plot(summary["layer"], summary["reversibility"], marker="o", ms=3, color="C0")
+    ax.set_title(f"(C2) reversibility (μ: {mu})\n‖M - Mᵀ‖/‖M + Mᵀ‖, M = diag(μ)W")
     ax.set_ylabel("residual (0 = detailed balance)")
     ax.set_ylim(0, 1.05)
 
-    ax = axes[0, 2]
-    ax.set_title("(C3) pairing  ‖T_ji - T_ijᵀ‖/‖T_ij‖, walk-weighted")
-    ax.set_ylabel("residual (0 = reverse edge transposes)")
-    if summary["pairing"].isna().all():
-        ax.text(0.5, 0.5, "not applicable:\ncausal walks have no edge\nin both directions",
-                ha="center", va="center", transform=ax.transAxes)  # fmt: skip
-        ax.set_xlim(float(layers.min()) - 0.5, float(layers.max()) + 0.5)
-        ax.set_yticks([])
-    else:
-        for suffix, (label, color, style) in SINK_STYLES.items():
-            ax.plot(layers, summary["pairing" + suffix], color=color, linestyle=style,
-                    marker="o", ms=3, label=label)  # fmt: skip
-        ax.legend(loc="best", fontsize="x-small")
 
-    ax = axes[1, 0]
+def _pairing_panel(ax: Axes, summary: pd.DataFrame, draws: int) -> None:
+    ax.set_title("(C3) pairing, walk-weighted\n‖T_ji - T_ijᵀ‖/‖T_ij‖")
+    ax.set_ylabel("residual (0 = reverse edge transposes)")
+    for suffix, (label, color, style) in SINK_STYLES.items():
+        ax.plot(summary["layer"], summary["pairing" + suffix], color=color, linestyle=style,
+                marker="o", ms=3, label=label)  # fmt: skip
+    ax.legend(loc="best", fontsize="x-small")
+
+
+def _transport_panel(ax: Axes, summary: pd.DataFrame, draws: int) -> None:
     _defect_panel(ax, summary, "transport_defect", draws)
-    ax.set_title("(C3 up to scale) effective transport defect ε(T_ij), walk-weighted")
+    ax.set_title("(C3 up to scale) effective transport defect\nε(T_ij), walk-weighted")
     ax.set_ylabel("Gram defect ε (0 = scaled isometry)")
 
-    ax = axes[1, 1]
+
+def _field_panel(ax: Axes, summary: pd.DataFrame, draws: int) -> None:
     _defect_panel(ax, summary, "field_defect", draws)
-    ax.set_title("field defect: walk-weighted CV of ‖x_j T_ij‖/‖x_j‖")
+    ax.set_title("field defect\nwalk-weighted CV of ‖x_j T_ij‖/‖x_j‖")
     ax.set_ylabel("coefficient of variation (0 = one factor)")
 
-    ax = axes[1, 2]
+
+def _identity_panel(ax: Axes, summary: pd.DataFrame, draws: int) -> None:
     errors = summary["identity_error"].clip(lower=1e-17)
-    ax.semilogy(layers, errors, marker="o", ms=3, color="C0", label="measured")
+    ax.semilogy(summary["layer"], errors, marker="o", ms=3, color="C0", label="measured")
     ax.axhline(IDENTITY_BOUND, color="C3", linestyle="--", label=f"bound {IDENTITY_BOUND:g}")
-    ax.set_title("identity  max|PX + c - attn out| / max|attn out|")
+    ax.set_title("identity\nmax|PX + c - attn out| / max|attn out|")
     ax.set_ylabel("relative error")
     ax.legend(loc="best", fontsize="x-small")
 
-    for ax in axes.flat:
+
+#: the residual figure's panels, in order; `residual_omissions` says which are left out
+RESIDUAL_PANELS = {
+    "stochasticity": _stochasticity_panel,
+    "reversibility": _reversibility_panel,
+    "pairing": _pairing_panel,
+    "transport_defect": _transport_panel,
+    "field_defect": _field_panel,
+    "identity": _identity_panel,
+}
+
+
+def residual_components(
+    summary: pd.DataFrame, draws: int, subtitle: str, path: Path, noise: float
+) -> Path:
+    """The laplacian residual's components by layer (spec §2-4), one panel each.
+
+    Panels with nothing to show (float rounding only, or not applicable) are left out, as
+    `residual_omissions` with the same ``noise`` says; the page states them in words.
+    """
+    omitted = residual_omissions(summary, noise)
+    panels = [draw for name, draw in RESIDUAL_PANELS.items() if name not in omitted]
+    n_cols = min(3, len(panels))
+    n_rows = -(-len(panels) // n_cols)
+    fig = Figure(figsize=(5 * n_cols, 4.25 * n_rows + 0.5), layout="constrained")
+    axes = list(fig.subplots(n_rows, n_cols, squeeze=False).flat)
+    for ax, draw in zip(axes, panels, strict=False):
+        draw(ax, summary, draws)
         _layer_axis(ax)
+    for ax in axes[len(panels) :]:  # the grid's empty cells
+        ax.set_visible(False)
     fig.suptitle(
         "Laplacian residual by layer: how far L = I - P is from a random-walk connection "
         "Laplacian (all dimensionless; batch means)\n" + subtitle

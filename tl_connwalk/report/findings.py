@@ -40,7 +40,7 @@ def findings(
     worst = float(summary["identity_error"].max())
     out["identity"] = {
         "max_error": worst,
-        "text": f"identity apply() + bias() = attention output: worst relative error {worst:.1e}",
+        "text": f"identity PX + c = attention output: worst relative error {worst:.1e}",
     }
     n_heads = len(heads)
     below, above = int(_below(heads, "head_defect").sum()), int(_above(heads, "head_defect").sum())
@@ -52,13 +52,13 @@ def findings(
         "mean": mean,
         "baseline_mean": base,
         "text": (
-            f"head transport defects delta(T^h): mean {mean:.3f} vs random {base:.3f}; "
+            f"head transport defects δ(T^h): mean {mean:.3f} vs random {base:.3f}; "
             f"{below}/{n_heads} heads below the baseline, {above} above"
         ),
     }
     record: dict[str, Any] = {}
     parts = []
-    for suffix, sink in (("", "with sink"), ("_nosink", "sink excluded")):
+    for suffix, sink in (("", "with sink"), ("_nosink", "no sink")):
         name = "transport_defect" + suffix
         n_below, n_above = int(_below(summary, name).sum()), int(_above(summary, name).sum())
         mean, base = float(summary[name].mean()), float(summary[f"{name}_baseline"].mean())
@@ -72,11 +72,11 @@ def findings(
             f"{sink}: mean {mean:.3f} vs random {base:.3f}, "
             f"{n_below}/{len(summary)} layers below, {n_above} above"
         )
-    record["text"] = "effective transport defect eps: " + "; ".join(parts)
+    record["text"] = "effective transport defect ε: " + "; ".join(parts)
     out["transport_defect"] = record
     drift_record: dict[str, Any] = {}
     parts = []
-    for key, sink in (("with_sink", "with sink"), ("without_sink", "sink excluded")):
+    for key, sink in (("with_sink", "with sink"), ("without_sink", "no sink")):
         values = drift[key]
         if len(values) == 0:
             continue
@@ -84,7 +84,8 @@ def findings(
         rho = _rank_correlation(values)
         drift_record[key] = {"first_third": early, "last_third": late, "spearman_depth": rho}
         parts.append(
-            f"{sink}: {early:.3f} (first third) -> {late:.3f} (last third), rho {rho:+.2f}"
+            f"{sink}: {early:.3f} (first third) -> {late:.3f} (last third), "
+            f"rank correlation with depth {rho:+.2f}"
         )
     if parts:
         drift_record["text"] = "layer drift by depth: " + "; ".join(parts)
@@ -93,9 +94,9 @@ def findings(
     mus = ",".join(sorted(set(",".join(summary["mu"]).split(","))))
     pairing = summary["pairing"].dropna()
     pairing_text = (
-        "pairing not applicable (causal walks)"
+        "(C3) pairing not applicable (causal walks)"
         if pairing.empty
-        else f"pairing residual {pairing.min():.3f}..{pairing.max():.3f}"
+        else f"(C3) pairing {pairing.min():.3f}..{pairing.max():.3f}"
     )
     out["reversibility"] = {
         "min": float(rev.min()),
@@ -104,7 +105,7 @@ def findings(
         "mu": mus,
         "pairing_applicable": not pairing.empty,
         "text": (
-            f"reversibility residual (mu: {mus}) {rev.min():.3f}..{rev.max():.3f}, "
+            f"(C2) reversibility (μ: {mus}) {rev.min():.3f}..{rev.max():.3f}, "
             f"median {rev.median():.3f}; {pairing_text}"
         ),
     }

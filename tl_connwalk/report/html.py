@@ -1,12 +1,15 @@
 """``index.html``: the report on one self-contained page (figures inlined, no scripts, no CDN).
 
 The page repeats the report's findings, the run's metadata, every figure (as base64 PNG, so the
-file can be mailed on its own; the PNGs also sit beside it) and the per-layer summary table.
+file can be mailed on its own; the PNGs also sit beside it) and the per-layer summary table,
+and defines every symbol they use (`SYMBOLS`), written the same way in each.
 """
+
+# ruff: noqa: RUF001  (the symbols are written in Unicode, as the page shows them)
 
 import base64
 import html
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,84 @@ dl { display: grid; grid-template-columns: max-content auto; gap: 2px 1em; }
 dt { font-weight: 600; } dd { margin: 0; }
 img { max-width: 100%; border: 1px solid #ddd; }
 code { background: #f4f4f4; padding: 0 3px; }
+dl.symbols { grid-template-columns: 11em auto; font-size: 0.92em; }
+p.note { font-size: 0.9em; color: #444; margin: 0.3em 0; }
 """
+
+#: every symbol the findings, figures and table use, and what it means (spec §1-§4 of the docs)
+SYMBOLS: Sequence[tuple[str, str]] = (
+    (
+        "A^h, W",
+        "A^h_ij: head h's attention from query i (receiver) to key j (sender). The walk "
+        "W_ij = mean over heads of A^h_ij: every row sums to 1.",
+    ),
+    ("x_j (field)", "the field at position j: exactly the vector the value projection reads."),
+    (
+        "T^h, T_ij",
+        "T^h = W_V^h W_O^h: head h's OV map. T_ij = H Σ_h g^h_ij T^h: the effective "
+        "transport of the edge j → i, with gates g^h_ij = A^h_ij / Σ_h' A^h'_ij.",
+    ),
+    (
+        "P, c, identity",
+        "(PX)_i = Σ_j W_ij x_j T_ij, and c the bias: PX + c is the attention "
+        "output exactly. Identity error: max |PX + c − attention output| / max |attention output|.",
+    ),
+    ("(C1) stochasticity", "max_i |Σ_j W_ij − 1|: 0 when every row of W sums to 1."),
+    (
+        "(C2) reversibility, μ",
+        "‖M − Mᵀ‖ / ‖M + Mᵀ‖ with M = diag(μ) W: 0 when the walk is in "
+        'detailed balance with μ. μ is the walk\'s stationary distribution ("stationary") or, for '
+        'a walk without a unique one such as a causal walk, uniform ("uniform").',
+    ),
+    (
+        "(C3) metric compatibility",
+        "every T_ij a scaled isometry and the reverse edge its "
+        "transpose. Pairing: ‖T_ji − T_ijᵀ‖ / ‖T_ij‖, not applicable to causal walks.",
+    ),
+    (
+        "δ (delta)",
+        "isometry defect δ(T) = √(1 − (Σ σ)² / (r Σ σ²)) over the top r singular "
+        "values σ of T: 0 for a scaled (partial) isometry. Head δ: δ(T^h) with r = d_head.",
+    ),
+    (
+        "ε (epsilon)",
+        "Gram defect ε(T) = √(1 − (Σ σ²)² / (r Σ σ⁴)), 0 likewise. The effective "
+        "transport defect ε is the walk-weighted mean of ε(T_ij), with r the rank the transports "
+        "can have, min(d_model, H_kv d_head) (H_kv: distinct value heads).",
+    ),
+    ("scale s", "the common scale: walk-weighted ‖T_ij‖_F / √r."),
+    (
+        "field defect",
+        "walk-weighted coefficient of variation of ‖x_j T_ij‖ / ‖x_j‖ over the "
+        "messages sent: 0 when the transports scale every message by one factor.",
+    ),
+    (
+        "sink, no sink",
+        "the sink is the first token, to which decoders send much of their walk "
+        'mass. "No sink" (sink excluded): key 0 dropped from the walk and every row renormalised.',
+    ),
+    (
+        "drift",
+        "layer drift from layer l to l + 1: the mean over rows i of the total variation "
+        "between W^l_i and W^(l+1)_i (0 = same walk, 1 = disjoint rows).",
+    ),
+    (
+        "random, baseline",
+        "the same defect for random Gaussian transports of the same shapes "
+        'and head norms: mean ± standard deviation over the draws. "Below the baseline": below '
+        "its mean minus two standard deviations.",
+    ),
+)
+
+#: weight-processing flags (``walk.processing``) in words
+PROCESSING = {
+    "fold_ln": "LayerNorm scales folded into W_V",
+    "center_writing_weights": "W_O centred: each output's mean subtracted (inferred from the "
+    "weights)",
+    "fold_value_biases": "value biases b_V W_O moved into b_O (inferred from the weights)",
+    "compatibility_mode": "TransformerBridge in compatibility mode",
+    "weights_processed": "TransformerBridge weights processed",
+}
 
 #: the summary table's columns on the page, with their headers
 COLUMNS = {
@@ -37,9 +117,9 @@ COLUMNS = {
     "transport_defect_nosink": "ε no sink",
     "transport_defect_nosink_baseline": "ε no sink random",
     "field_defect": "field defect",
-    "field_defect_baseline": "field random",
+    "field_defect_baseline": "field defect random",
     "scale": "scale s",
-    "drift_to_next": "drift to next",
+    "drift_to_next": "drift",
     "drift_to_next_nosink": "drift no sink",
 }
 
@@ -49,12 +129,50 @@ def _image(path: Path) -> str:
     return f'<img alt="{html.escape(path.name)}" src="data:image/png;base64,{data}">'
 
 
+def processing_lines(layers: Sequence[Mapping[str, bool]]) -> list[str]:
+    """One line per weight-processing flag: its name, whether the layers had it, what it does.
+
+    ``layers`` holds each measured layer's ``processing``; a flag that differs between layers
+    lists the layers that had it.
+
+    >>> processing_lines([{"fold_ln": True}, {"fold_ln": True}])
+    ['fold_ln (LayerNorm scales folded into W_V): yes']
+    """
+    names = list(dict.fromkeys(name for layer in layers for name in layer))
+    lines = []
+    for name in names:
+        had = [index for index, layer in enumerate(layers) if layer.get(name)]
+        if len(had) == len(layers):
+            state = "yes"
+        elif not had:
+            state = "no"
+        else:
+            state = f"in {len(had)} of {len(layers)} measured layers"
+        what = PROCESSING.get(name)
+        lines.append(f"{name}" + (f" ({what})" if what else "") + f": {state}")
+    return lines
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, list):
+        items = "".join(f"<li>{html.escape(str(item))}</li>" for item in value)
+        return f"<ul>{items}</ul>"
+    return html.escape(str(value))
+
+
 def _metadata(meta: dict[str, Any]) -> str:
     rows = "".join(
-        f"<dt>{html.escape(str(key))}</dt><dd>{html.escape(str(value))}</dd>"
-        for key, value in meta.items()
+        f"<dt>{html.escape(str(key))}</dt><dd>{_value(value)}</dd>" for key, value in meta.items()
     )
     return f"<dl>{rows}</dl>"
+
+
+def _symbols() -> str:
+    rows = "".join(
+        f"<dt>{html.escape(symbol)}</dt><dd>{html.escape(meaning)}</dd>"
+        for symbol, meaning in SYMBOLS
+    )
+    return f'<dl class="symbols">{rows}</dl>'
 
 
 def _table(summary: pd.DataFrame) -> str:
@@ -76,10 +194,17 @@ def write_index(
     findings: Sequence[str],
     figures: Sequence[tuple[Path, str]],
     summary: pd.DataFrame,
+    notes: Mapping[str, Sequence[str]] | None = None,
 ) -> Path:
-    """Write the page to ``path``; ``figures`` are ``(png, heading)`` pairs."""
+    """Write the page to ``path``; ``figures`` are ``(png, heading)`` pairs.
+
+    ``notes``: sentences shown under the figure of that file name (e.g. what it leaves out).
+    """
+    notes = notes or {}
     sections = "".join(
-        f"<h2>{html.escape(heading)}</h2>\n{_image(png)}\n" for png, heading in figures
+        f"<h2>{html.escape(heading)}</h2>\n{_image(png)}\n"
+        + "".join(f'<p class="note">{html.escape(text)}</p>\n' for text in notes.get(png.name, ()))
+        for png, heading in figures
     )
     items = "".join(f"<li>{html.escape(text)}</li>" for text in findings)
     page = f"""<!DOCTYPE html>
@@ -88,11 +213,12 @@ def write_index(
 <body>
 <h1>{html.escape(title)}</h1>
 <p>Attention as a connection walk (tl_connwalk): every layer's walk, transports and how far its
-generator is from a random-walk connection Laplacian. Defects are drawn beside random
-transports of the same shapes and norms; "below the baseline" means below its mean minus two
-standard deviations. Numbers: <code>report.json</code>, <code>geometry.csv</code>.</p>
+generator is from a random-walk connection Laplacian, (C1) to (C3) below. Every defect is
+shown beside its random baseline; the symbols are defined under "Symbols". Numbers:
+<code>report.json</code>, <code>geometry.csv</code>.</p>
 <h2>Findings</h2><ul>{items}</ul>
 <h2>Run</h2>{_metadata(meta)}
+<h2>Symbols</h2>{_symbols()}
 {sections}
 <h2>Summary by layer (batch means)</h2>
 {_table(summary)}

@@ -153,19 +153,22 @@ def _write(
     model = record["model"]
     subtitle = f"{model['name']} ({model['class']}), {record['tokens']['count']} tokens"
     draws = config.baseline_draws
+    # float rounding of a row sum of n walk entries: what stochasticity shows of an exact walk
+    working = torch.float64 if config.dtype == "float64" else torch.float32
+    noise = record["tokens"]["count"] * torch.finfo(working).eps
     geometry.to_csv(staging / "geometry.csv", index=False)
     pngs = [
         figures.walk_heatmaps(results.walks, subtitle + ", sequence 0", staging / "walks.png"),
         figures.head_defects(heads, draws, subtitle, staging / "head_defects.png"),
         figures.layer_drift(results.drift, subtitle, staging / "layer_drift.png"),
-        figures.residual_components(summary, draws, subtitle, staging / "residual.png"),
+        figures.residual_components(summary, draws, subtitle, staging / "residual.png", noise),
         figures.effective_scale(summary, subtitle, staging / "scale.png"),
     ]
     headings = dict(figures.FIGURES)
     meta = {
         "model": f"{model['name']} ({model['class']}, backend {model['backend']})",
         "TransformerLens": record["transformer_lens_version"],
-        "weight processing": record["processing_summary"],
+        "weight processing": html.processing_lines([m.processing for m in results.layers]),
         "text": f"{record['text']['source']}: {record['text']['path']}",
         "tokens": record["tokens"]["count"],
         "layers": f"{len(record['layers'])} of {model['n_layers']}",
@@ -180,6 +183,7 @@ def _write(
         texts,
         [(png, headings[png.name]) for png in pngs],
         summary,
+        {"residual.png": list(figures.residual_omissions(summary, noise).values())},
     )
     record["summary"] = summary.to_dict(orient="records")
     record["findings"] = found
