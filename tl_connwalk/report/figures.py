@@ -204,7 +204,7 @@ def effective_scale(summary: pd.DataFrame, subtitle: str, path: Path) -> Path:
     _layer_axis(ax)
     ax.legend(loc="best", fontsize="small")
     fig.suptitle(
-        "Effective transport scale s = walk-weighted ‖T_ij‖_F / √r, r = min(d_model, H d_head)\n"
+        "Effective transport scale s = walk-weighted ‖T_ij‖_F / √r, r = min(d_model, H_kv d_head)\n"
         "(RMS singular value of the edge transports: output norm per unit input norm)\n" + subtitle
     )
     return _save(fig, path)

@@ -89,8 +89,9 @@ def write_index(
 <h1>{html.escape(title)}</h1>
 <p>Attention as a connection walk (tl_connwalk): every layer's walk, transports and how far its
 generator is from a random-walk connection Laplacian. Defects are drawn beside random
-transports of the same shapes and norms; "below the baseline" means below its mean minus two
-standard deviations. Numbers: <code>report.json</code>, <code>geometry.csv</code>.</p>
+transports of the same shapes, value-head sharing and norms; "below the baseline" means
+below its mean minus two standard deviations. Numbers: <code>report.json</code>,
+<code>geometry.csv</code>.</p>
 <h2>Findings</h2><ul>{items}</ul>
 <h2>Run</h2>{_metadata(meta)}
 {sections}
