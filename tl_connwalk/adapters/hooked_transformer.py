@@ -139,7 +139,8 @@ def walk_from_cache(cache: ActivationCache, model: nn.Module, layer: int) -> Con
     check_field(field, _field_hook(model, layer), cfg.d_model, pattern.shape[-1])
     attn = _hooked(model).blocks[layer].attn
     # grouped-query attention keeps one value head per key-value head: the walk expands them
-    W_V, b_V = getattr(attn, "_W_V", attn.W_V), getattr(attn, "_b_V", attn.b_V)
+    grouped = hasattr(attn, "_W_V")
+    W_V, b_V = (attn._W_V, attn._b_V) if grouped else (attn.W_V, attn.b_V)
     return ConnectionWalk.from_pattern(
         pattern,
         field,
