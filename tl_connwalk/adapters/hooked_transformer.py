@@ -139,14 +139,14 @@ def walk_from_cache(cache: ActivationCache, model: nn.Module, layer: int) -> Con
     check_field(field, _field_hook(model, layer), cfg.d_model, pattern.shape[-1])
     attn = _hooked(model).blocks[layer].attn
     # grouped-query attention keeps one value head per key-value head: the walk expands them
-    grouped = hasattr(attn, "_W_V")
-    W_V, b_V = (attn._W_V, attn._b_V) if grouped else (attn.W_V, attn.b_V)
+    names = ("_W_V", "_b_V") if hasattr(attn, "_W_V") else ("W_V", "b_V")
+    W_V, b_V = (getattr(attn, name).detach() for name in names)
     return ConnectionWalk.from_pattern(
         pattern,
         field,
-        W_V.detach(),
+        W_V,
         attn.W_O.detach(),
-        b_V.detach(),
+        b_V,
         attn.b_O.detach(),
         layer=layer,
         processing=processing(model, layer),
