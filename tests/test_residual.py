@@ -18,10 +18,17 @@ def walk(request):
     return tl_connwalk.connection_walk(cache, 1)
 
 
+def transport_rank(walk):
+    """``min(d_model, H_kv d_head)``, ``H_kv`` counted as the distinct value heads in ``W_V``
+    (grouped-query heads share theirs: the llama toy's 4 query heads read 2)."""
+    n_value_heads = torch.unique(walk.W_V.flatten(1), dim=0).shape[0]
+    return min(walk.W_V.shape[1], n_value_heads * walk.W_V.shape[2])
+
+
 def svd_defects(walk):
     """delta and eps of every edge from torch.linalg.svdvals of the dense T_ij, in float64."""
     batch, _, n, _ = walk.gates.shape
-    rank = min(walk.W_V.shape[1], walk.n_heads * walk.W_V.shape[2])
+    rank = transport_rank(walk)
     delta = torch.zeros(batch, n, n, dtype=torch.float64)
     eps = torch.zeros_like(delta)
     for i in range(n):
@@ -54,7 +61,7 @@ def test_residual_matches_independent_references(walk):
     torch.testing.assert_close(res.head_defects.double(), delta, atol=1e-5, rtol=0)
     torch.testing.assert_close(res.stochasticity, (walk.walk.sum(-1) - 1).abs().amax(-1))
     # the common scale: walk-weighted ||T_ij||_F / sqrt(r)
-    rank = min(walk.W_V.shape[1], walk.n_heads * walk.W_V.shape[2])
+    rank = transport_rank(walk)
     norms = torch.stack(
         [
             torch.stack(

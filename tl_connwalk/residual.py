@@ -40,7 +40,8 @@ class LaplacianResidual:
         mu, mu_kind: the measure used, ``[batch, pos]``, and per sequence which one
             (``"stationary"``, ``"uniform"``, ``"given"``, ``"teleport"``).
         transport_defect: ``[batch]`` walk-weighted Gram defect ``eps`` of the effective
-            transports, ``r = min(d_model, H d_head)`` (C3 up to scale).
+            transports, ``r = min(d_model, H_kv d_head)`` with ``H_kv`` the distinct value
+            heads (``H`` without grouped-query attention) (C3 up to scale).
         scale: ``[batch]`` the common scale ``s``, walk-weighted ``||T_ij||_F / sqrt(r)``.
         pairing: ``[batch]`` walk-weighted ``||T_ji - T_ij^T||_F / ||T_ij||_F``, or ``None``
             when no sequence has an edge in both directions (a causal walk: not applicable);
@@ -49,8 +50,9 @@ class LaplacianResidual:
         field_defect: ``[batch]`` data-dependent defect: walk-weighted coefficient of variation
             of ``||x_j T_ij|| / ||x_j||``.
         head_field_defects: ``[batch, head]`` the same per head with ``T^h``.
-        baseline: the same defects for random transports of equal shapes and head Frobenius
-            norms (Gaussian factors): ``{"head_defects", "transport_defect", "field_defect"}``.
+        baseline: the same defects for random transports of equal shapes, equal sharing of
+            value heads and equal head Frobenius norms (Gaussian factors):
+            ``{"head_defects", "transport_defect", "field_defect"}``.
         exclude_sink: whether key 0 was dropped from the walk-weighted summaries.
         nearest_operator: with ``exact=True``, ``||P - P*||_F / ||P||_F`` to the nearest
             random-walk connection operator (spec §4) and how it was evaluated (every edge, or a
@@ -281,7 +283,8 @@ def isometry_defects(
     ``kind="gram"``: ``eps(T_ij)`` in closed form on every edge (``O(batch n^2 H^4)``).
     ``kind="frobenius"``: ``delta(T_ij)`` (the relative Frobenius distance to the nearest
     scaled isometry) from each edge's singular values (``O(batch n^2 r^3)``, small problems).
-    Both with ``r = min(d_model, H d_head)``.
+    Both with ``r = min(d_model, H_kv d_head)``, ``H_kv`` the distinct value heads
+    (`tl_connwalk.core.isometry.effective_rank`).
     """
     terms = _layer_terms(walk)
     if kind == "gram":
@@ -314,7 +317,8 @@ class _LayerTerms:
             _unit_scaled, (walk.field, walk.W_V, walk.W_O)
         )
         self.factor = v_factor * o_factor
-        self.rank = isometry.effective_rank(self.W_V, self.W_O)
+        self.kv_heads = walk.kv_heads
+        self.rank = isometry.effective_rank(self.W_V, self.W_O, walk.kv_heads)
         self._draws: dict[tuple[int, int], draws.LayerDraws] = {}
         self._draw_grams: dict[tuple[int, int], list[Tensor]] = {}
 
@@ -334,8 +338,9 @@ class _LayerTerms:
         key = (n_draws, seed)
         if key not in self._draws:
             self._draws[key] = draws.layer_draws(
-                self.W_V, self.W_O, n_draws, seed, norms_sq=self.heads.norms_sq
-            )
+                self.W_V, self.W_O, n_draws, seed, norms_sq=self.heads.norms_sq,
+                kv_heads=self.kv_heads,
+            )  # fmt: skip
         return self._draws[key]
 
     def draw_message_grams(self, n_draws: int, seed: int) -> list[Tensor]:

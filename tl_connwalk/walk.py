@@ -9,7 +9,7 @@ from a TransformerLens cache with ``cache.connection_walk(layer)`` (after
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, overload
 
 import torch
@@ -18,8 +18,10 @@ from torch import Tensor
 from transformer_lens import FactoredMatrix
 
 from tl_connwalk import residual
+from tl_connwalk.core import value_heads
 from tl_connwalk.core import walk as core
 from tl_connwalk.core.generator import ConnectionGenerator
+from tl_connwalk.core.value_heads import KVHeads
 from tl_connwalk.errors import ConnWalkError
 
 
@@ -45,6 +47,10 @@ class ConnectionWalk:
         b_O: ``[d_model]`` output bias.
         layer: the layer index, when the walk came from a model.
         processing: which TransformerLens weight processing the model had (spec §2).
+        kv_heads: grouped-query attention: the value head each query head reads
+            (`tl_connwalk.core.value_heads`); ``None``: every head has its own. It sets the
+            rank of the effective transports (``min(d_model, H_kv d_head)``, spec §3) and
+            the sharing of the random baselines' value heads.
 
     Examples:
         >>> A = torch.softmax(torch.randn(1, 2, 3, 3), -1)
@@ -63,6 +69,7 @@ class ConnectionWalk:
     b_O: Float[Tensor, " d_model"]
     layer: int | None = None
     processing: Mapping[str, bool] = dataclasses.field(default_factory=dict)
+    kv_heads: KVHeads | None = None
 
     @classmethod
     def from_pattern(
@@ -76,6 +83,7 @@ class ConnectionWalk:
         *,
         layer: int | None = None,
         processing: Mapping[str, bool] | None = None,
+        kv_heads: Sequence[int] | None = None,
     ) -> "ConnectionWalk":
         """Split per-head patterns into walk and gates (spec §1.2); computes in float32 or wider.
 
@@ -84,11 +92,24 @@ class ConnectionWalk:
         ``b_O [d_model]``; checked here with a ConnWalkError naming them (annotated as plain
         tensors so that runtime type checkers do not pre-empt that message). Missing biases
         are zero. Everything moves to ``field``'s device.
+
+        Grouped-query attention: ``W_V`` (and ``b_V``) may hold the ``H_kv`` value heads
+        ``[kv_head, d_model, d_head]``; query head ``h`` then reads value head ``kv_heads[h]``
+        (default ``h // (H / H_kv)``, as TransformerLens and Hugging Face group heads), and
+        they are expanded here. Weights already expanded to the query heads (e.g. a
+        HookedTransformer's ``attn.W_V``) take ``kv_heads`` to say which heads share, and
+        those heads' value weights and biases must be equal.
+
+        >>> A = torch.softmax(torch.randn(1, 4, 3, 3), -1)
+        >>> ConnectionWalk.from_pattern(A, torch.randn(1, 3, 8), torch.randn(2, 8, 2),
+        ...                             torch.randn(4, 2, 8)).kv_heads
+        (0, 0, 1, 1)
         """
+        n_heads, d_head, d_model = W_O.shape if W_O.ndim == 3 else (0, 0, 0)
+        W_V, b_V, kv = _expanded_values(W_V, b_V, n_heads, kv_heads)
         _check_shapes(pattern, field, W_V, W_O)
         dtype = _float_dtype(field.dtype)
         device = field.device
-        n_heads, d_head, d_model = W_O.shape
 
         def cast(t: Tensor) -> Tensor:
             return t.to(device=device, dtype=dtype)
@@ -106,12 +127,19 @@ class ConnectionWalk:
             b_O=cast(b_O),
             layer=layer,
             processing=dict(processing or {}),
+            kv_heads=kv,
         )
 
     @property
     def n_heads(self) -> int:
         """``H``, the number of (query) heads."""
         return self.gates.shape[1]
+
+    @property
+    def n_value_heads(self) -> int:
+        """``H_kv``, the number of distinct value heads the query heads read (``H`` without
+        grouped-query attention)."""
+        return value_heads.distinct_value_heads(self.kv_heads, self.n_heads)
 
     @functools.cached_property
     def patterns(self) -> Float[Tensor, "batch head query key"]:
@@ -202,12 +230,59 @@ class ConnectionWalk:
         batch, n_heads, n_pos, _ = self.gates.shape
         d_model, d_head = self.W_V.shape[1:]
         layer = "" if self.layer is None else f"layer={self.layer}, "
+        heads = (
+            f"{n_heads}"
+            if self.kv_heads is None
+            else f"{n_heads}, value_heads={self.n_value_heads}"
+        )
         processing = ", ".join(f"{k}={v}" for k, v in self.processing.items()) or "unknown"
         return (
-            f"ConnectionWalk({layer}batch={batch}, pos={n_pos}, heads={n_heads}, "
+            f"ConnectionWalk({layer}batch={batch}, pos={n_pos}, heads={heads}, "
             f"d_model={d_model}, d_head={d_head}, dtype={self.walk.dtype}, "
             f"device={self.walk.device}, processing: {processing})"
         )
+
+
+def _expanded_values(
+    W_V: Tensor, b_V: Tensor | None, n_heads: int, kv_heads: Sequence[int] | None
+) -> tuple[Tensor, Tensor | None, KVHeads | None]:
+    """``W_V``, ``b_V`` with one block per query head, and the value head each reads.
+
+    Value heads fewer than query heads are expanded (`ConnectionWalk.from_pattern`); weights
+    with one block per query head and a ``kv_heads`` are checked to share as it says.
+    """
+    if W_V.ndim != 3 or n_heads == 0:
+        return W_V, b_V, None  # the shape check names what is wrong
+    n_value = W_V.shape[0]
+    if kv_heads is None and n_value != n_heads:
+        if n_value > n_heads or n_heads % n_value:
+            return W_V, b_V, None  # no grouping: the shape check names the shapes
+        kv_heads = value_heads.grouped_value_heads(n_heads, n_value)
+    kv = value_heads.check_kv_heads(kv_heads, n_heads)
+    if kv is None:
+        return W_V, b_V, None
+    index = torch.tensor(kv, device=W_V.device)
+    if n_value == n_heads:  # expanded already: the shared heads must be equal
+        first = {head: kv.index(head) for head in set(kv)}
+        source = torch.tensor([first[head] for head in kv], device=W_V.device)
+        same = torch.equal(W_V, W_V[source]) and (
+            b_V is None or b_V.ndim != 2 or torch.equal(b_V, b_V[source.to(b_V.device)])
+        )
+        if not same:
+            raise ConnWalkError(
+                f"kv_heads={kv} says query heads share value heads, but their W_V (or b_V) "
+                "differ; pass the model's own map (e.g. grouped_value_heads(n_heads, "
+                "n_key_value_heads)) or the unexpanded [kv_head, d_model, d_head] weights."
+            )
+        return W_V, b_V, kv
+    if value_heads.n_value_heads(kv, n_heads) != n_value:
+        raise ConnWalkError(
+            f"kv_heads={kv} reads {value_heads.n_value_heads(kv, n_heads)} value heads but W_V "
+            f"{tuple(W_V.shape)} holds {n_value}."
+        )
+    if b_V is not None and b_V.ndim == 2 and b_V.shape[0] == n_value:
+        b_V = b_V[index.to(b_V.device)]
+    return W_V[index], b_V, kv
 
 
 def _check_shapes(pattern: Tensor, field: Tensor, W_V: Tensor, W_O: Tensor) -> None:

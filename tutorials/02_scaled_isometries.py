@@ -23,14 +23,18 @@
 # - the **head transport defect** `delta(T^h)`: relative Frobenius distance of each head's OV
 #   map to the nearest scaled partial isometry (weights only);
 # - the **effective transport defect** `eps(T_ij)`: the Gram defect of the gated mixture on
-#   each edge, walk-weighted (weights and gates);
+#   each edge, walk-weighted (weights and gates), of rank `r = min(d_model, H_kv d_head)`: the
+#   mixture factors through the `H_kv` distinct value heads (SmolLM2: 3 shared by 9 query
+#   heads, `r = 192`, not `H d_head = 576`);
 # - the **field defect**: the coefficient of variation of `||x_j T_ij|| / ||x_j||` over the
 #   messages actually sent (data-dependent: only the directions the data uses count);
 #
 # each beside its **random baseline**: the same defect for Gaussian transports of the same
-# shapes and head Frobenius norms (mean ± std over draws). A defect says little on its own: a
-# random product of two thin Gaussian factors is already fairly close to a scaled partial
-# isometry. The claim holds for a layer when its defect sits clearly *below* the baseline.
+# shapes, the same sharing of value heads (the random query heads read shared random value
+# heads, as the model's do) and the same head Frobenius norms (mean ± std over draws). A defect
+# says little on its own: a random product of two thin Gaussian factors is already fairly close
+# to a scaled partial isometry. The claim holds for a layer when its defect sits clearly
+# *below* the baseline.
 #
 # Defaults run on 2 CPU cores in a couple of minutes; on a GPU set `STRIDE = 1`,
 # `N_TOKENS = 1024`, `BASELINE_DRAWS = 16`.

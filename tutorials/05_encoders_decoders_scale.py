@@ -21,7 +21,7 @@
 #
 # - claim 2 (deeper layers settle): layer drift against depth, with and without the sink;
 # - claim 3 (scaled isometries): each defect divided by its random baseline (below 1 = more
-#   isometric than random Gaussian transports of the same shapes and norms);
+#   isometric than random Gaussian transports of the same shapes, value-head sharing and norms);
 # - claim 4 (both strengthen with scale): whether larger models do better on the two above;
 # - reversibility (C2) and pairing, which only an encoder's bidirectional walk can satisfy.
 #

@@ -5,7 +5,8 @@ The Bridge wraps a Hugging Face model. Its attention component's input hook
 (after ``ln1`` in pre-norm models; the residual stream in post-norm encoders such as BERT),
 so it is the field. Patterns are ``blocks.{l}.attn.hook_pattern`` (padding-masked keys carry
 zero weight, so an encoder's walk is over its unmasked keys). The Bridge's ``attn.W_V`` /
-``b_V`` keep the unexpanded key-value heads of grouped-query models; they are expanded here.
+``b_V`` keep the unexpanded key-value heads of grouped-query models; the walk expands them
+and records which value head each query head reads (``ConnectionWalk.kv_heads``).
 Missing biases (Llama, Gemma) are zero. The attention module's own output is
 ``blocks.{l}.attn.hook_out`` (before ``ln1_post`` in Gemma 2/3).
 """
@@ -18,7 +19,7 @@ from transformer_lens import ActivationCache
 from transformer_lens.model_bridge import TransformerBridge
 
 from tl_connwalk.adapters.checks import batched, check_field, check_pattern
-from tl_connwalk.adapters.weights import expand_kv_heads, inferred_processing
+from tl_connwalk.adapters.weights import inferred_processing
 from tl_connwalk.walk import ConnectionWalk
 
 NAME = "transformer_lens.model_bridge.TransformerBridge"
@@ -42,13 +43,14 @@ def required_hooks(model: nn.Module, layer: int) -> list[str]:
 
 
 def _weights(model: nn.Module, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``W_V, W_O, b_V, b_O`` of one layer, KV heads expanded, absent biases as zeros."""
+    """``W_V, W_O, b_V, b_O`` of one layer (``W_V``, ``b_V`` per key-value head), absent biases
+    as zeros."""
     attn = _bridge(model).blocks[layer].attn
     W_O = attn.W_O.detach()
-    n_heads, d_head, d_model = W_O.shape
-    W_V = expand_kv_heads(attn.W_V.detach(), n_heads)
+    W_V = attn.W_V.detach()
+    _, d_model, d_head = W_V.shape
     b_V = attn.b_V
-    b_V = torch.zeros(n_heads, d_head) if b_V is None else expand_kv_heads(b_V.detach(), n_heads)
+    b_V = torch.zeros(W_V.shape[0], d_head) if b_V is None else b_V.detach()
     b_O = attn.b_O
     b_O = torch.zeros(d_model) if b_O is None else b_O.detach()
     return W_V, W_O, b_V, b_O

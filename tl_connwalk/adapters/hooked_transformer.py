@@ -10,9 +10,10 @@ always false. The field ``x_j`` is exactly the vector the value projection reads
   normalises after each sublayer): ``blocks.{l}.hook_resid_pre``.
 
 Patterns are ``blocks.{l}.attn.hook_pattern``; weights are read from the model when the walk is
-built (``attn.W_V`` expands grouped-query heads: query head ``h`` reads KV head
-``h // (n_heads / n_key_value_heads)``). A user hook that edits ``hook_v`` is not seen by the
-field: the walk describes the weights acting on the layer's input.
+built (grouped-query layers pass their unexpanded ``_W_V``, ``_b_V``: query head ``h`` reads
+KV head ``h // (n_heads / n_key_value_heads)``, ``ConnectionWalk.kv_heads``). A user hook
+that edits ``hook_v`` is not seen by the field: the walk describes the weights acting on the
+layer's input.
 """
 
 import importlib
@@ -137,12 +138,15 @@ def walk_from_cache(cache: ActivationCache, model: nn.Module, layer: int) -> Con
     field = _value_input(cache, model, layer)
     check_field(field, _field_hook(model, layer), cfg.d_model, pattern.shape[-1])
     attn = _hooked(model).blocks[layer].attn
+    # grouped-query attention keeps one value head per key-value head: the walk expands them
+    names = ("_W_V", "_b_V") if hasattr(attn, "_W_V") else ("W_V", "b_V")
+    W_V, b_V = (getattr(attn, name).detach() for name in names)
     return ConnectionWalk.from_pattern(
         pattern,
         field,
-        attn.W_V.detach(),
+        W_V,
         attn.W_O.detach(),
-        attn.b_V.detach(),
+        b_V,
         attn.b_O.detach(),
         layer=layer,
         processing=processing(model, layer),

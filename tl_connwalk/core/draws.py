@@ -13,6 +13,9 @@ and seed (`raw_draws`, cached), and a layer's draw is a rescaling of it (`layer_
     G'_j[a,b]       = s_a s_b G_R,j[a,b]          (message Grams, `field_defect.message_grams`)
 
 These are the values of `isometry.random_baselines` with the same seed, up to rounding.
+Grouped-query layers (``kv_heads``, `tl_connwalk.core.value_heads`) draw one ``R_V`` per
+value head, shared by the query heads that read it as the model shares its own
+(`isometry.gaussian_factors`); ``s_h`` then scales ``R_O^h`` alone.
 
 The data-dependent field defect needs each layer's field ``X`` (``n`` keys of a sequence)
 through a draw's values ``X R_V``, ``O(n d_model H d_head)`` per draw. For ``n < d_model``
@@ -21,9 +24,10 @@ it takes them in distribution instead (`LayerDraws.message_grams`): with ``X = L
 completing ``Q``, a standard Gaussian ``Z`` is ``Q Y + Q_perp Y_perp`` with ``Y``,
 ``Y_perp`` standard Gaussian, so ``X Z = L Y``, and head ``h``'s norm
 ``||Z^h R_O^h||_F^2 = <Y^h^T Y^h + Y_perp^h^T Y_perp^h, R_O^h R_O^h^T>`` needs only those
-two ``d_head x d_head`` Grams. ``Y`` and the Grams are drawn once per ``n`` and seed
-(`key_draws`, shared by every layer and sequence), ``L`` once per layer and sequence
-(`key_factor`): the draw's values cost ``O(n^2 H d_head)``. These field draws are new
+two ``d_head x d_head`` Grams (``Z``, ``Y``, ``Y_perp`` one block per value head, read by the
+query heads that share it: ``Y^{kv(h)}`` above). ``Y`` and the Grams are drawn once per
+``n`` and seed (`key_draws`, shared by every layer and sequence), ``L`` once per layer and
+sequence (`key_factor`): the draw's values cost ``O(n^2 H d_head)``. These field draws are new
 Gaussian value factors, not the ``R_V`` of the weight-only defects' draws: the same
 distribution, other realisations, and one per sequence (each sequence's field baseline is
 the same alone or in a batch).
@@ -39,7 +43,8 @@ from einops import einsum, rearrange
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from tl_connwalk.core import field_defect, head_grams, isometry, quartic
+from tl_connwalk.core import field_defect, head_grams, isometry, quartic, value_heads
+from tl_connwalk.core.value_heads import KVHeads
 from tl_connwalk.errors import ConnWalkError
 
 #: The field draws take the keys' route (`key_factor`) when its products,
@@ -68,6 +73,7 @@ class RawDraws:
     seed: int
     draws: tuple[head_grams.HeadGrams, ...]
     kept: tuple[tuple[Tensor, Tensor], ...] | None
+    kv_heads: KVHeads | None = None
 
     def factors(self) -> Iterator[tuple[Tensor, Tensor]]:
         """``(R_V, R_O)`` of every draw, in order."""
@@ -77,7 +83,7 @@ class RawDraws:
         generator = torch.Generator(device=self.device).manual_seed(self.seed)
         for _ in self.draws:
             yield isometry.gaussian_factors(
-                self.v_shape, self.o_shape, self.dtype, self.device, generator
+                self.v_shape, self.o_shape, self.dtype, self.device, generator, self.kv_heads
             )
 
 
@@ -89,8 +95,10 @@ def raw_draws(
     device: torch.device,
     seed: int,
     n_draws: int,
+    kv_heads: KVHeads | None = None,
 ) -> RawDraws:
-    """The raw draws of `isometry.random_baselines` (integer ``seed``), with their Grams.
+    """The raw draws of `isometry.random_baselines` (integer ``seed``, the same ``kv_heads``),
+    with their Grams.
 
     Cached for the last two shapes: a model's layers share them. Costs, once,
     ``n_draws`` times one layer's `isometry.gram_matrices` and head defects. Each draw keeps
@@ -104,15 +112,22 @@ def raw_draws(
     out_rows = n_draws * row_bytes <= OUT_ROWS_BYTES
     draws, kept = [], []
     for _ in range(n_draws):
-        R_V, R_O = isometry.gaussian_factors(v_shape, o_shape, dtype, device, generator)
+        R_V, R_O = isometry.gaussian_factors(v_shape, o_shape, dtype, device, generator, kv_heads)
         # not in the head-Gram store: this cache holds them
         draws.append(head_grams.compute_head_grams(R_V, R_O, out_rows=out_rows))
         if keep:  # R_V laid out as W_V^cat [d_model, head d_head], what message Grams multiply
             kept.append((_values_major(R_V), R_O))
         del R_V, R_O  # before the next draw: one draw's factors alive at a time
     return RawDraws(
-        v_shape, o_shape, dtype, device, seed, tuple(draws), tuple(kept) if keep else None
-    )
+        v_shape, o_shape, dtype, device, seed, tuple(draws), tuple(kept) if keep else None,
+        kv_heads,
+    )  # fmt: skip
+
+
+def _sharing(kv_heads: KVHeads | None) -> tuple[KVHeads, ...]:
+    """``kv_heads`` as the trailing argument of the cached `raw_draws` and `key_draws`, or no
+    argument without sharing: a call that names no ``kv_heads`` hits the same cache entry."""
+    return () if kv_heads is None else (kv_heads,)
 
 
 def _values_major(W_V: Tensor) -> Tensor:
@@ -162,10 +177,10 @@ def _key_seed(seed: int, n_keys: int, part: str) -> int:
 class KeyDraws:
     """The field draws of ``n_keys`` keys: what the layers' `key_factor` route shares.
 
-    ``norms_sq[d, h]`` is ``||Z^h R_O^h||_F^2`` of draw ``d``'s implied Gaussian ``Z``
+    ``norms_sq[d, h]`` is ``||Z^{kv(h)} R_O^h||_F^2`` of draw ``d``'s implied Gaussian ``Z``
     (module docstring). ``kept`` holds each draw's standard Gaussian ``Y`` ``[n_keys, H
-    d_head]`` when all of them fit ``isometry.CHUNK_ENTRIES`` numbers; otherwise `values`
-    draws them again from their seed.
+    d_head]`` (value heads expanded to the query heads that read them) when all of them fit
+    ``isometry.CHUNK_ENTRIES`` numbers; otherwise `values` draws them again from their seed.
     """
 
     n_keys: int
@@ -175,6 +190,7 @@ class KeyDraws:
     seed: int
     norms_sq: Float[Tensor, "draw head"]
     kept: tuple[Tensor, ...] | None
+    kv_heads: KVHeads | None = None
 
     def values(self) -> Iterator[Tensor]:
         """``Y`` of every draw, in order."""
@@ -182,11 +198,24 @@ class KeyDraws:
             yield from self.kept
             return
         generator = torch.Generator(device=self.device).manual_seed(self.seed)
+        n_heads = self.norms_sq.shape[1]
+        d_head = self.width // n_heads
+        drawn = value_heads.n_value_heads(self.kv_heads, n_heads) * d_head
         for _ in range(self.norms_sq.shape[0]):
-            yield torch.randn(
-                (self.n_keys, self.width), dtype=self.dtype, device=self.device,
-                generator=generator,
-            )  # fmt: skip
+            Y = torch.randn(
+                (self.n_keys, drawn), dtype=self.dtype, device=self.device, generator=generator
+            )
+            yield _expanded(Y, self.kv_heads, d_head)
+
+
+def _expanded(values: Tensor, kv_heads: KVHeads | None, d_head: int) -> Tensor:
+    """``[rows, H_kv d_head]`` value columns as ``[rows, H d_head]``: query head ``h`` gets
+    value head ``kv(h)``'s block (unchanged without ``kv_heads``)."""
+    if kv_heads is None:
+        return values
+    blocks = rearrange(values, "rows (kv d_head) -> rows kv d_head", d_head=d_head)
+    index = torch.tensor(kv_heads, device=values.device)
+    return rearrange(blocks[:, index], "rows head d_head -> rows (head d_head)")
 
 
 @functools.lru_cache(maxsize=2)
@@ -198,42 +227,45 @@ def key_draws(
     seed: int,
     n_draws: int,
     n_keys: int,
+    kv_heads: KVHeads | None = None,
 ) -> KeyDraws:
     """The field draws of ``n_keys`` keys for heads of one shape (integer ``seed``), cached
     for the last two: every layer of a model, on prompts of one length, shares them.
 
-    Draws ``Y`` ``[n_keys, H d_head]`` and ``Y_perp`` ``[d_model - n_keys, H d_head]``
-    (blocks of rows at a time) from seeds of their own, and with the raw draws' ``R_O``
-    (`raw_draws`, same seed) the implied heads' squared norms, once:
-    ``O(n_draws d_model H d_head^2)``.
+    Draws ``Y`` ``[n_keys, H_kv d_head]`` and ``Y_perp`` ``[d_model - n_keys, H_kv d_head]``
+    (blocks of rows at a time; ``H_kv = H`` without ``kv_heads``) from seeds of their own,
+    and with the raw draws' ``R_O`` (`raw_draws`, same seed and ``kv_heads``) the implied
+    heads' squared norms, once: ``O(n_draws d_model H d_head^2)``.
     """
     n_heads, d_model, d_head = v_shape
     if not 0 <= n_keys <= d_model:
         raise ConnWalkError(
             f"the field draws' route needs at most d_model = {d_model} keys, got {n_keys}."
         )
-    raw = raw_draws(v_shape, o_shape, dtype, device, seed, n_draws)
+    raw = raw_draws(v_shape, o_shape, dtype, device, seed, n_draws, *_sharing(kv_heads))
     width = n_heads * d_head
+    n_value = value_heads.n_value_heads(kv_heads, n_heads)
+    index = torch.tensor(range(n_heads) if kv_heads is None else kv_heads, device=device)
     values_seed = _key_seed(seed, n_keys, "values")
     values = torch.Generator(device=device).manual_seed(values_seed)
     perp = torch.Generator(device=device).manual_seed(_key_seed(seed, n_keys, "perp"))
     keep = n_draws * n_keys * width <= isometry.CHUNK_ENTRIES
     norms, kept = [], []
     for (_, R_O), raw_draw in zip(raw.factors(), raw.draws, strict=True):
-        Y = torch.randn((n_keys, width), dtype=dtype, device=device, generator=values)
-        gram = einsum(*(Y.view(n_keys, n_heads, d_head),) * 2, "n h p, n h q -> h p q")
+        Y = torch.randn((n_keys, n_value * d_head), dtype=dtype, device=device, generator=values)
+        gram = einsum(*(Y.view(n_keys, n_value, d_head),) * 2, "n k p, n k q -> k p q")
         for rows in isometry._query_chunks(d_model - n_keys, width):
             block = torch.randn(
-                (min(rows.stop, d_model - n_keys) - rows.start, n_heads, d_head),
+                (min(rows.stop, d_model - n_keys) - rows.start, n_value, d_head),
                 dtype=dtype, device=device, generator=perp,
             )  # fmt: skip
-            gram += einsum(block, block, "n h p, n h q -> h p q")
-        norms.append(einsum(gram, _output_blocks(raw_draw, R_O), "h p q, h p q -> h"))
+            gram += einsum(block, block, "n k p, n k q -> k p q")
+        norms.append(einsum(gram[index], _output_blocks(raw_draw, R_O), "h p q, h p q -> h"))
         if keep:
-            kept.append(Y)
+            kept.append(_expanded(Y, kv_heads, d_head))
     return KeyDraws(
         n_keys, width, dtype, device, values_seed, torch.stack(norms),
-        tuple(kept) if keep else None,
+        tuple(kept) if keep else None, kv_heads,
     )  # fmt: skip
 
 
@@ -285,7 +317,7 @@ class LayerDraws:
         factor, direct = keys[0], (~keys[1]).nonzero().flatten().tolist()
         keyed = key_draws(
             raw.v_shape, raw.o_shape, raw.dtype, raw.device, raw.seed, len(raw.draws),
-            factor.shape[1],
+            factor.shape[1], *_sharing(raw.kv_heads),
         )  # fmt: skip
         # the raw factors only where a sequence goes direct or a draw kept no output-Gram rows
         needed = bool(direct) or any(drawn.out_rows is None for drawn in raw.draws)
@@ -312,11 +344,9 @@ class LayerDraws:
     def factors(self) -> Iterator[tuple[Tensor, Tensor]]:
         """Each draw's ``(W_V', W_O')``, as `isometry.random_head_factors` returns them."""
         for raw, scale in zip(self.raw.factors(), self.scales, strict=True):
-            factor = scale.sqrt()[:, None, None]
-            if self.raw.kept is None:  # drawn afresh for this call: scaled in place
-                scaled = raw[0].mul_(factor), raw[1].mul_(factor)
-            else:
-                scaled = raw[0] * factor, raw[1] * factor
+            if self.raw.kept is not None:  # the cached draw stays as it is: scale a copy
+                raw = raw[0].clone(), raw[1].clone()
+            scaled = isometry.scale_factors(*raw, scale, self.raw.kv_heads)
             del raw  # one draw's factors alive at a time (2 x 64 MiB for an 8B layer)
             yield scaled
             del scaled
@@ -329,11 +359,14 @@ def layer_draws(
     seed: int,
     *,
     norms_sq: Float[Tensor, " head"] | None = None,
+    kv_heads: KVHeads | None = None,
 ) -> LayerDraws:
-    """The ``n_draws`` random draws of `isometry.random_baselines` (integer ``seed``) for a layer.
+    """The ``n_draws`` random draws of `isometry.random_baselines` (integer ``seed``, the same
+    ``kv_heads``) for a layer.
 
     ``norms_sq``: the layer's ``||T^h||_F^2`` when already known (e.g. from its
-    `tl_connwalk.core.head_grams.HeadGrams`); else computed here.
+    `tl_connwalk.core.head_grams.HeadGrams`); else computed here. ``kv_heads``: the value head
+    each query head reads, for grouped-query weights (`tl_connwalk.core.value_heads`).
 
     >>> draws = layer_draws(torch.randn(2, 16, 4), torch.randn(2, 4, 16), n_draws=3, seed=0)
     >>> draws.K2.shape, draws.pair_gram.shape, draws.head_defects.shape
@@ -343,7 +376,8 @@ def layer_draws(
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConnWalkError(f"seed must be an integer, got {seed!r}.")
     W_V, W_O = isometry._cast_heads(W_V, W_O)
-    raw = raw_draws(W_V.shape, W_O.shape, W_V.dtype, W_V.device, seed, n_draws)
+    kv_heads = value_heads.check_kv_heads(kv_heads, W_V.shape[0])
+    raw = raw_draws(W_V.shape, W_O.shape, W_V.dtype, W_V.device, seed, n_draws, *_sharing(kv_heads))
     target = isometry.head_norms_sq(W_V, W_O) if norms_sq is None else norms_sq.to(W_V)
     scales = torch.stack([isometry.draw_scales(target, draw.norms_sq) for draw in raw.draws])
     first, second = quartic.head_pairs(W_V.shape[0], W_V.device)

@@ -19,7 +19,7 @@ positive defect. Results are float32 or wider (half precision is upcast, float64
 """
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -27,7 +27,7 @@ from einops import einsum, rearrange, reduce
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from tl_connwalk.core import quartic
+from tl_connwalk.core import quartic, value_heads
 from tl_connwalk.core.quartic import QuarticRows, head_pairs
 from tl_connwalk.errors import ConnWalkError
 
@@ -184,16 +184,29 @@ def head_transport_defects(
 
 
 def effective_rank(
-    W_V: Float[Tensor, "head d_model d_head"], W_O: Float[Tensor, "head d_head d_model"]
+    W_V: Float[Tensor, "head d_model d_head"],
+    W_O: Float[Tensor, "head d_head d_model"],
+    kv_heads: Sequence[int] | None = None,
 ) -> int:
-    """``r = min(d_model, H d_head)``: the rank an effective transport ``T_ij`` can have (spec §3).
+    """``r = min(d_model, H_kv d_head)``: the rank an effective transport ``T_ij`` can have
+    (spec §3).
+
+    ``H_kv`` is the number of distinct value heads: ``H`` without grouped-query attention
+    (``kv_heads=None``); with it, ``kv_heads`` gives the value head each query head reads
+    (`tl_connwalk.core.value_heads`; ``W_V`` holds the heads expanded), and every ``T_ij``
+    factors through those ``H_kv d_head`` value coordinates.
 
     >>> effective_rank(torch.randn(12, 768, 64), torch.randn(12, 64, 768))
     768
+    >>> from tl_connwalk.core.value_heads import grouped_value_heads
+    >>> effective_rank(torch.randn(9, 576, 64), torch.randn(9, 64, 576),
+    ...                grouped_value_heads(9, 3))  # SmolLM2-135M
+    192
     """
     _check_heads(W_V, W_O)
     n_heads, d_model, d_head = W_V.shape
-    return min(d_model, n_heads * d_head)
+    distinct = value_heads.distinct_value_heads(kv_heads, n_heads)
+    return value_heads.transport_rank(d_model, d_head, distinct)
 
 
 def _products(left: Tensor, right: Tensor) -> Tensor:
@@ -577,9 +590,10 @@ def edge_gram_defects(
 
     ``sum sigma^2 = H^2 g^T K2 g`` and ``sum sigma^4 = H^4 sum g^a g^b g^c g^e K4[a,b,c,e]``, so
     ``eps_ij = sqrt(1 - (sum sigma^2)^2 / (r sum sigma^4))`` with no per-edge map. It equals the
-    top-``r`` definition when ``r >= rank(T_ij)``, e.g. ``r = min(d_model, H d_head)``
-    (`effective_rank`). Costs ``O(batch n^2 H^4 / 24)`` time, memory chunked over queries.
-    Where ``walk`` is given, non-edges (``W_ij = 0``) get 0; zero maps get 0.
+    top-``r`` definition when ``r >= rank(T_ij)``, e.g. ``r = min(d_model, H_kv d_head)``
+    (`effective_rank`, ``H_kv`` the distinct value heads). Costs ``O(batch n^2 H^4 / 24)``
+    time, memory chunked over queries. Where ``walk`` is given, non-edges (``W_ij = 0``) get
+    0; zero maps get 0.
 
     ``edges`` (e.g. `heaviest_edges`) restricts the work to those pairs, gathered into a
     list (``O(n_kept H^4 / 24)``); every other pair gets 0. ``query_chunk`` sets the number of
@@ -798,6 +812,9 @@ def edge_singular_values(
 ) -> Float[Tensor, "batch query key rank"]:
     """Singular values of every effective transport ``T_ij``, ``rank = min(d_model, H d_head)``.
 
+    With grouped-query weights (heads expanded) only the top ``min(d_model, H_kv d_head)``
+    can be non-zero (`effective_rank`); the rest are 0 up to rounding.
+
     ``T_ij = W_V^cat diag(H g_ij (x) 1) W_O^cat``; one QR of each concatenated factor reduces
     every edge to a ``rank x rank`` core. Costs ``O(batch n^2 rank^3)``: for ``delta`` on
     small problems or a sample of edges ("where affordable", spec §3); ``eps`` on all edges is
@@ -987,12 +1004,15 @@ def effective_transport_defect(
     exclude_sink: bool = False,
     edges: Bool[Tensor, "batch query key"] | None = None,
     query_chunk: int | None = None,
+    kv_heads: Sequence[int] | None = None,
 ) -> Float[Tensor, " batch"]:
-    """``(1/n) sum_ij W_ij eps(T_ij)`` with ``r = min(d_model, H d_head)`` (spec §3).
+    """``(1/n) sum_ij W_ij eps(T_ij)`` with ``r = min(d_model, H_kv d_head)`` (spec §3).
 
     With ``edges`` (e.g. `heaviest_edges` of a mass share) ``eps`` is computed on those
     edges only and the mean is `walk_weighted_mean` restricted to them (rows
     renormalised over the kept edges). ``query_chunk``: see `edge_gram_defects`.
+    ``kv_heads``: the value head each query head reads, for grouped-query weights
+    (`effective_rank`).
 
     >>> A = torch.softmax(torch.randn(1, 2, 4, 4), -1)
     >>> effective_transport_defect(A.mean(1), A / A.sum(1, keepdim=True),
@@ -1000,7 +1020,7 @@ def effective_transport_defect(
     torch.Size([1])
     """
     K2, K4 = gram_matrices(W_V, W_O)
-    rank = effective_rank(W_V, W_O)
+    rank = effective_rank(W_V, W_O, kv_heads)
     means = gram_defect_means(
         walk, gates, K2[None], fold_pairs(K4)[None], rank,
         exclude_sink=exclude_sink, edges=edges, query_chunk=query_chunk,
@@ -1016,8 +1036,10 @@ def common_scale(
     *,
     exclude_sink: bool = False,
     query_chunk: int | None = None,
+    kv_heads: Sequence[int] | None = None,
 ) -> Float[Tensor, " batch"]:
-    """The common scale ``s``: walk-weighted mean of ``||T_ij||_F / sqrt(r)`` (spec §4).
+    """The common scale ``s``: walk-weighted mean of ``||T_ij||_F / sqrt(r)`` (spec §4), with
+    the ``r`` of `effective_rank` (``kv_heads`` for grouped-query weights).
 
     >>> Q = torch.linalg.qr(torch.randn(4, 4)).Q
     >>> common_scale(torch.full((1, 3, 3), 1 / 3), torch.ones(1, 1, 3, 3), 2 * Q[None],
@@ -1026,7 +1048,7 @@ def common_scale(
     """
     K2 = head_gram(W_V, W_O)
     scale = edge_frobenius_scales(
-        gates, K2, effective_rank(W_V, W_O), walk, query_chunk=query_chunk
+        gates, K2, effective_rank(W_V, W_O, kv_heads), walk, query_chunk=query_chunk
     )
     return walk_weighted_mean(walk, scale, exclude_sink=exclude_sink)
 
@@ -1035,10 +1057,15 @@ def random_head_factors(
     W_V: Float[Tensor, "head d_model d_head"],
     W_O: Float[Tensor, "head d_head d_model"],
     generator: torch.Generator,
+    kv_heads: Sequence[int] | None = None,
 ) -> tuple[Float[Tensor, "head d_model d_head"], Float[Tensor, "head d_head d_model"]]:
     """Gaussian factors of the same shapes whose head transports have the same ``||T^h||_F``.
 
-    Each random head's scale is split evenly between its two factors; a zero head stays 0.
+    ``kv_heads`` (grouped-query weights, `tl_connwalk.core.value_heads`): one random ``W_V``
+    per value head, read by every query head that reads it, as in the model (spec §3).
+    Each random head's scale ``s_h`` (`draw_scales`) is split evenly between its two factors;
+    where value heads are shared, it goes on ``W_O^h`` alone (so they stay shared). Either
+    way ``T'^h = s_h R_V^{kv(h)} R_O^h``; a zero head stays 0.
 
     >>> V, O = random_head_factors(torch.randn(2, 8, 4), torch.randn(2, 4, 8),
     ...                            torch.Generator().manual_seed(0))
@@ -1051,9 +1078,26 @@ def random_head_factors(
             f"the generator is on {generator.device} but the weights are on {W_V.device}; "
             "pass torch.Generator(device=W_V.device) or an integer seed."
         )
-    rand_V, rand_O = gaussian_factors(W_V.shape, W_O.shape, W_V.dtype, W_V.device, generator)
-    factor = draw_scales(head_norms_sq(W_V, W_O), head_norms_sq(rand_V, rand_O)).sqrt()
-    return rand_V.mul_(factor[:, None, None]), rand_O.mul_(factor[:, None, None])
+    kv_heads = value_heads.check_kv_heads(kv_heads, W_V.shape[0])
+    rand_V, rand_O = gaussian_factors(
+        W_V.shape, W_O.shape, W_V.dtype, W_V.device, generator, kv_heads
+    )
+    scales = draw_scales(head_norms_sq(W_V, W_O), head_norms_sq(rand_V, rand_O))
+    return scale_factors(rand_V, rand_O, scales, kv_heads)
+
+
+def scale_factors(
+    R_V: Float[Tensor, "head d_model d_head"],
+    R_O: Float[Tensor, "head d_head d_model"],
+    scales: Float[Tensor, " head"],
+    kv_heads: Sequence[int] | None = None,
+) -> tuple[Float[Tensor, "head d_model d_head"], Float[Tensor, "head d_head d_model"]]:
+    """Factors of ``s_h R_V^h R_O^h``, in place: ``sqrt(s_h)`` on each, or ``s_h`` on ``R_O^h``
+    alone where query heads share value heads (`random_head_factors`)."""
+    if value_heads.is_shared(kv_heads):
+        return R_V, R_O.mul_(scales.to(R_O)[:, None, None])
+    factor = scales.to(R_O).sqrt()[:, None, None]
+    return R_V.mul_(factor), R_O.mul_(factor)
 
 
 def gaussian_factors(
@@ -1062,17 +1106,32 @@ def gaussian_factors(
     dtype: torch.dtype,
     device: torch.device,
     generator: torch.Generator,
+    kv_heads: Sequence[int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Standard Gaussian ``R_V``, ``R_O`` of the given shapes: the raw draw of
-    `random_head_factors`, drawn in that order from ``generator``."""
-    rand_V = torch.randn(v_shape, dtype=dtype, device=device, generator=generator)
+    `random_head_factors`, drawn in that order from ``generator``.
+
+    With ``kv_heads`` (`tl_connwalk.core.value_heads`), one ``R_V`` per value head is drawn
+    (``[H_kv, d_model, d_head]``) and query head ``h`` gets ``R_V^{kv(h)}``: ``R_V`` still has
+    ``v_shape``, with the model's sharing. Without sharing, the same numbers as no
+    ``kv_heads``.
+    """
+    if kv_heads is None:
+        rand_V = torch.randn(v_shape, dtype=dtype, device=device, generator=generator)
+    else:
+        n_value = value_heads.n_value_heads(kv_heads, v_shape[0])
+        drawn = torch.randn(
+            (n_value, *v_shape[1:]), dtype=dtype, device=device, generator=generator
+        )
+        rand_V = drawn[torch.tensor(kv_heads, device=device)]
     return rand_V, torch.randn(o_shape, dtype=dtype, device=device, generator=generator)
 
 
 def draw_scales(target_sq: Float[Tensor, " head"], drawn_sq: Float[Tensor, " head"]) -> Tensor:
     """``s_h = ||T^h||_F / ||R^h||_F`` from the squared norms: ``s_h R^h`` has ``T^h``'s norm.
 
-    0 where the draw ``R^h`` is 0. `random_head_factors` gives both factors ``sqrt(s_h)``.
+    0 where the draw ``R^h`` is 0. `random_head_factors` puts ``s_h`` on the factors
+    (`scale_factors`).
     """
     target, drawn = target_sq.clamp_min(0.0).sqrt(), drawn_sq.clamp_min(0.0).sqrt()
     return torch.where(drawn > 0, target / torch.where(drawn > 0, drawn, 1.0), 0.0)
@@ -1110,18 +1169,24 @@ def random_baseline(
     n_draws: int = 16,
     *,
     seed: int | torch.Generator = 0,
+    kv_heads: Sequence[int] | None = None,
 ) -> RandomBaseline:
     """``measure(W_V', W_O')`` on ``n_draws`` random factor pairs (`random_head_factors`).
 
-    Same shapes and same head Frobenius norms, Gaussian factors (spec §3). ``seed`` is an integer
-    (a fresh generator on the weights' device) or a ``torch.Generator``.
+    Same shapes, same sharing of value heads (``kv_heads``, for grouped-query weights) and
+    same head Frobenius norms, Gaussian factors (spec §3). Only ``W_V`` and ``W_O`` are drawn:
+    a measure keeps the model's walk and gates, so its queries and keys (shared or not) stay
+    the model's. ``seed`` is an integer (a fresh generator on the weights' device) or a
+    ``torch.Generator``.
 
     >>> base = random_baseline(head_transport_defects, torch.randn(2, 16, 4),
     ...                        torch.randn(2, 4, 16), n_draws=4)
     >>> base.mean.shape, base.std.shape
     (torch.Size([2]), torch.Size([2]))
     """
-    return random_baselines({"measure": measure}, W_V, W_O, n_draws, seed=seed)["measure"]
+    return random_baselines({"measure": measure}, W_V, W_O, n_draws, seed=seed, kv_heads=kv_heads)[
+        "measure"
+    ]
 
 
 def check_draws(n_draws: object) -> None:
@@ -1137,6 +1202,7 @@ def random_baselines(
     n_draws: int = 16,
     *,
     seed: int | torch.Generator = 0,
+    kv_heads: Sequence[int] | None = None,
 ) -> dict[str, RandomBaseline]:
     """`random_baseline` of several measurements on the same ``n_draws`` random factor pairs.
 
@@ -1158,7 +1224,7 @@ def random_baselines(
         raise ConnWalkError(f"seed must be an int or a torch.Generator, got {seed!r}.")
     draws: dict[str, list[Tensor]] = {name: [] for name in measures}
     for _ in range(n_draws):
-        factors = random_head_factors(W_V, W_O, generator)
+        factors = random_head_factors(W_V, W_O, generator, kv_heads)
         for name, measure in measures.items():
             draws[name].append(measure(*factors))
     baselines = {}

@@ -260,7 +260,7 @@ def effective_scale(summary: pd.DataFrame, subtitle: str, path: Path) -> Path:
     ax.legend(loc="best", fontsize="small")
     fig.suptitle(
         "Effective transport scale s = walk-weighted ‖T_ij‖_F / √r "
-        "(r: the rank the transports can have)\n"
+        "(r = min(d_model, H_kv d_head): the rank the transports can have)\n"
         "(RMS singular value of the edge transports: output norm per unit input norm)\n" + subtitle
     )
     return _save(fig, path)

@@ -214,8 +214,9 @@ def write_index(
 <h1>{html.escape(title)}</h1>
 <p>Attention as a connection walk (tl_connwalk): every layer's walk, transports and how far its
 generator is from a random-walk connection Laplacian, (C1) to (C3) below. Every defect is
-shown beside its random baseline; the symbols are defined under "Symbols". Numbers:
-<code>report.json</code>, <code>geometry.csv</code>.</p>
+shown beside random transports of the same shapes, value-head sharing and norms; "below the
+baseline" means below its mean minus two standard deviations; the symbols are defined under
+"Symbols". Numbers: <code>report.json</code>, <code>geometry.csv</code>.</p>
 <h2>Findings</h2><ul>{items}</ul>
 <h2>Run</h2>{_metadata(meta)}
 <h2>Symbols</h2>{_symbols()}

@@ -1,0 +1,284 @@
+"""Grouped-query attention in the math core (spec §3): the rank of the effective transports is
+``min(d_model, H_kv d_head)``, and the random baselines share value heads as the model does.
+
+References: an SVD of every edge's dense transport (the rank counted by the test from the
+shapes), and random draws made here, from a generator of the test's own, with one Gaussian
+``W_V`` per value head.
+"""
+
+import math
+
+import pytest
+import torch
+from einops import einsum
+
+from tests.core.problems import F64, random_problem
+from tl_connwalk.core import draws, value_heads
+from tl_connwalk.core import isometry as iso
+from tl_connwalk.errors import ConnWalkError
+from tl_connwalk.walk import ConnectionWalk
+
+
+def defect_tolerance(dtype: torch.dtype, n_heads: int) -> float:
+    """Both defects are square roots of a relative spread of singular values; the closed form
+    sums ``~H^4`` products whose rounding, relative ``eps`` each, survives the square root."""
+    return math.sqrt(n_heads**4 * torch.finfo(dtype).eps)
+
+
+def grouped_problem(n_heads, n_value, d_model, d_head, *, seed=0, pos=5, batch=2, causal=False):
+    """A random problem whose query heads read ``n_value`` shared value heads: ``W_V`` is
+    ``[n_value, d_model, d_head]`` (unexpanded), everything else per query head."""
+    p = random_problem(batch, n_heads, pos, d_model, d_head, seed=seed, causal=causal)
+    gen = torch.Generator().manual_seed(seed + 1000)
+    W_V = torch.randn(n_value, d_model, d_head, generator=gen, dtype=F64)
+    return p, W_V
+
+
+def dense_transports(gates, W_V_per_head, W_O):
+    """Every edge's ``T_ij = H sum_h g^h_ij W_V^h W_O^h``, ``[batch, query, key, d, d]``."""
+    heads = einsum(W_V_per_head, W_O, "head d p, head p e -> head d e")
+    return gates.shape[1] * einsum(gates, heads, "b head i j, head d e -> b i j d e")
+
+
+def svd_defects(T, rank):
+    """``eps`` and ``delta`` over the top ``rank`` singular values of each map."""
+    sigma = torch.linalg.svdvals(T)[..., :rank]
+    s1, s2, s4 = sigma.sum(-1), (sigma**2).sum(-1), (sigma**4).sum(-1)
+    eps = (1 - s2**2 / (rank * s4)).clamp_min(0).sqrt()
+    delta = (1 - s1**2 / (rank * s2)).clamp_min(0).sqrt()
+    return eps, delta, (s2 / rank).sqrt()
+
+
+# --- the map from query heads to value heads ---
+
+
+def test_value_head_maps():
+    kv = value_heads.grouped_value_heads(9, 3)
+    assert kv == tuple(h // 3 for h in range(9))
+    assert value_heads.distinct_value_heads(kv, 9) == 3
+    assert value_heads.distinct_value_heads(kv, 9, heads=[0, 1, 2]) == 1
+    assert value_heads.distinct_value_heads(kv, 9, heads=[2, 3, 8]) == 3
+    assert value_heads.distinct_value_heads(None, 9, heads=[2, 3]) == 2
+    assert value_heads.transport_rank(576, 64, 3) == 192
+    assert value_heads.transport_rank(20, 8, 3) == 20
+    assert value_heads.is_shared(kv) and not value_heads.is_shared(tuple(range(9)))
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: value_heads.grouped_value_heads(6, 4), "multiple of n_key_value_heads"),
+        (lambda: value_heads.grouped_value_heads(6, 0), "positive integer"),
+        (lambda: value_heads.check_kv_heads((0, 1), 3), "each of the 3 query heads"),
+        (lambda: value_heads.check_kv_heads((0, -1, 1), 3), "integer >= 0"),
+        (lambda: value_heads.distinct_value_heads(None, 3, heads=[3]), r"in \[0, 3\)"),
+    ],
+)
+def test_bad_maps_are_refused(call, match):
+    with pytest.raises(ConnWalkError, match=match):
+        call()
+
+
+def test_walk_expands_value_heads_and_checks_expanded_ones():
+    p, W_V = grouped_problem(6, 2, 10, 3)
+    b_V = torch.randn(2, 3, dtype=F64)
+    walk = ConnectionWalk.from_pattern(p.pattern, p.field, W_V, p.W_O, b_V, p.b_O)
+    kv = (0, 0, 0, 1, 1, 1)
+    assert walk.kv_heads == kv and walk.n_value_heads == 2
+    torch.testing.assert_close(walk.W_V, W_V[list(kv)], rtol=0, atol=0)
+    torch.testing.assert_close(walk.b_V, b_V[list(kv)], rtol=0, atol=0)
+    # expanded weights with their map: the same walk; a map they do not follow is refused
+    again = ConnectionWalk.from_pattern(
+        p.pattern, p.field, W_V[list(kv)], p.W_O, b_V[list(kv)], p.b_O, kv_heads=kv
+    )
+    assert again.kv_heads == kv
+    with pytest.raises(ConnWalkError, match="differ"):
+        ConnectionWalk.from_pattern(p.pattern, p.field, p.W_V, p.W_O, kv_heads=kv)
+    with pytest.raises(ConnWalkError, match="holds 2"):
+        ConnectionWalk.from_pattern(p.pattern, p.field, W_V, p.W_O, kv_heads=(0, 0, 1, 1, 2, 2))
+    assert "value_heads=2" in repr(walk)
+
+
+# --- the rank: an SVD of every edge ---
+
+
+@pytest.mark.parametrize(
+    ("n_heads", "n_value", "d_model", "d_head"),
+    [
+        (6, 2, 20, 3),  # H d_head = 18 != d_model; rank H_kv d_head = 6
+        (4, 2, 10, 4),  # H d_head = 16 > d_model = 10 > H_kv d_head = 8
+        (6, 3, 8, 4),  # H_kv d_head = 12 > d_model: the rank is d_model's
+        (3, 3, 12, 3),  # no sharing: rank H d_head = 9
+        (4, 1, 12, 2),  # one value head (Gemma 3, multi-query)
+    ],
+)
+def test_grouped_defects_and_scale_match_an_svd_per_edge(n_heads, n_value, d_model, d_head):
+    p, W_V = grouped_problem(n_heads, n_value, d_model, d_head, seed=3)
+    walk = ConnectionWalk.from_pattern(p.pattern, p.field, W_V, p.W_O)
+    kv = [h // (n_heads // n_value) for h in range(n_heads)]
+    rank = min(d_model, n_value * d_head)
+    eps, delta, scale = svd_defects(dense_transports(p.gates, W_V[kv], p.W_O), rank)
+    tol = defect_tolerance(F64, n_heads)
+    torch.testing.assert_close(walk.isometry_defects("gram"), eps, atol=tol, rtol=0)
+    torch.testing.assert_close(walk.isometry_defects("frobenius"), delta, atol=tol, rtol=0)
+    res = walk.laplacian_residual(baseline_draws=2)
+    n = p.pattern.shape[-1]
+    torch.testing.assert_close(
+        res.transport_defect, (p.walk * eps).sum((-2, -1)) / n, atol=tol, rtol=0
+    )
+    torch.testing.assert_close(res.scale, (p.walk * scale).sum((-2, -1)) / n, rtol=tol, atol=0)
+    # the pure functions, given the map
+    assert iso.effective_rank(walk.W_V, walk.W_O, walk.kv_heads) == rank
+    torch.testing.assert_close(
+        iso.effective_transport_defect(p.walk, p.gates, walk.W_V, walk.W_O, kv_heads=kv),
+        res.transport_defect, atol=tol, rtol=0,
+    )  # fmt: skip
+    torch.testing.assert_close(
+        iso.common_scale(p.walk, p.gates, walk.W_V, walk.W_O, kv_heads=kv), res.scale
+    )
+
+
+def orthonormal_value_heads(n_value, d_model, d_head, seed=0):
+    """``[n_value, d_model, d_head]`` value heads whose columns together are orthonormal."""
+    gen = torch.Generator().manual_seed(seed)
+    Q = torch.linalg.qr(torch.randn(d_model, n_value * d_head, generator=gen, dtype=F64)).Q
+    return Q.T.reshape(n_value, d_head, d_model).mT
+
+
+def test_constructed_partial_isometry_has_zero_defects():
+    """6 query heads on 2 orthonormal value heads, all attending alike, ``W_O^h = 2
+    W_V^{kv(h)T}``: every ``T_ij`` is 6 times a rank-12 projection. Without the map the rank
+    would be ``H d_head = 36`` and the defect ``sqrt(1 - 12/36)``."""
+    n_heads, n_value, d_model, d_head, pos = 6, 2, 48, 6, 5
+    V = orthonormal_value_heads(n_value, d_model, d_head)
+    kv = value_heads.grouped_value_heads(n_heads, n_value)
+    W_O = 2 * V[list(kv)].mT
+    pattern = torch.ones(1, n_heads, pos, pos, dtype=F64).tril()
+    pattern = pattern / pattern.sum(-1, keepdim=True)
+    field = torch.randn(1, pos, d_model, generator=torch.Generator().manual_seed(1), dtype=F64)
+    walk = ConnectionWalk.from_pattern(pattern, field, V, W_O)
+    projection = torch.cat(list(V), -1)  # [d_model, 12], orthonormal columns
+    torch.testing.assert_close(walk.effective_transport(3, 1).AB[0], 6 * projection @ projection.T)
+    tol = defect_tolerance(F64, n_heads)
+    on_walk = walk.walk > 0
+    for kind in ("gram", "frobenius"):
+        assert walk.isometry_defects(kind)[on_walk].abs().max() < tol, kind
+    res = walk.laplacian_residual(baseline_draws=2)
+    assert res.transport_defect.abs().max() < tol
+    torch.testing.assert_close(res.scale, torch.full((1,), 6.0, dtype=F64))
+    unmapped = iso.effective_transport_defect(walk.walk, walk.gates, walk.W_V, walk.W_O)
+    torch.testing.assert_close(unmapped, torch.full((1,), math.sqrt(2 / 3), dtype=F64))
+
+
+# --- the random baselines: one Gaussian W_V per value head ---
+
+
+def test_random_factors_share_value_heads_and_keep_the_norms():
+    p, W_V = grouped_problem(6, 2, 10, 3)
+    kv = value_heads.grouped_value_heads(6, 2)
+    expanded = W_V[list(kv)]
+    rand_V, rand_O = iso.random_head_factors(expanded, p.W_O, torch.Generator().manual_seed(2), kv)
+    for h in range(6):
+        torch.testing.assert_close(rand_V[h], rand_V[3 * (h // 3)], rtol=0, atol=0)
+    assert not torch.equal(rand_V[0], rand_V[3])
+    torch.testing.assert_close(
+        iso.head_norms_sq(rand_V, rand_O), iso.head_norms_sq(expanded, p.W_O)
+    )
+    # a map without sharing draws the numbers of no map at all (same seed, same draws)
+    plain = iso.random_head_factors(p.W_V, p.W_O, torch.Generator().manual_seed(2))
+    mapped = iso.random_head_factors(
+        p.W_V, p.W_O, torch.Generator().manual_seed(2), tuple(range(6))
+    )
+    for a, b in zip(plain, mapped, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def own_baseline(p, W_V, kv, rank, n_draws, seed, *, shared=True):
+    """Walk-weighted ``eps`` (top ``rank`` singular values) and field CV of random transports
+    drawn here: Gaussian ``R_V`` per value head (``shared``; else per query head) and ``R_O``
+    per query head, each head scaled to the model's ``||T^h||_F``; one SVD per edge."""
+    gen = torch.Generator().manual_seed(seed)
+    n_heads, d_head, d_model = p.W_O.shape
+    target = einsum(W_V[kv], p.W_O, "h d p, h p e -> h d e").norm(dim=(-2, -1))
+    n = p.pattern.shape[-1]
+    defects, fields = [], []
+    for _ in range(n_draws):
+        n_values = W_V.shape[0] if shared else n_heads
+        R_V = torch.randn(n_values, d_model, d_head, generator=gen, dtype=F64)
+        R_V = R_V[kv] if shared else R_V
+        R_O = torch.randn(n_heads, d_head, d_model, generator=gen, dtype=F64)
+        drawn = einsum(R_V, R_O, "h d p, h p e -> h d e").norm(dim=(-2, -1))
+        T = dense_transports(p.gates, R_V, R_O * (target / drawn)[:, None, None])
+        eps, _, _ = svd_defects(T, rank)
+        defects.append((p.walk * eps).sum((-2, -1)) / n)
+        sent = einsum(p.field, T, "b j d, b i j d e -> b i j e").norm(dim=-1)
+        rho = sent / p.field.norm(dim=-1)[:, None, :]
+        weights = p.walk / p.walk.sum((-2, -1), keepdim=True)
+        mean = (weights * rho).sum((-2, -1))
+        spread = (weights * (rho - mean[:, None, None]) ** 2).sum((-2, -1)).sqrt()
+        fields.append(spread / mean)
+    return {"transport_defect": torch.stack(defects), "field_defect": torch.stack(fields)}
+
+
+def z_scores(a, b):
+    """How many standard errors apart the means and the standard deviations of two samples of
+    draws ``[draw, batch]`` are (the standard error of a standard deviation: ``std /
+    sqrt(2 (n - 1))``)."""
+    n_a, n_b = a.shape[0], b.shape[0]
+    mean_se = (a.var(0) / n_a + b.var(0) / n_b).sqrt()
+    std_se = (a.var(0) / (2 * (n_a - 1)) + b.var(0) / (2 * (n_b - 1))).sqrt()
+    return (a.mean(0) - b.mean(0)).abs() / mean_se, (a.std(0) - b.std(0)).abs() / std_se
+
+
+@pytest.mark.parametrize("route", ["keys", "keys, drawn again", "direct"])
+def test_grouped_baselines_match_draws_with_shared_value_heads(route, monkeypatch):
+    """The baselines' mean and spread over draws agree with draws made here, within 4
+    standard errors; draws with a ``W_V`` per query head (the model's sharing ignored, and
+    the rank ``H d_head`` that goes with them) are many standard errors away."""
+    if route == "direct":  # the field draws through R_V itself, not the keys' factor
+        monkeypatch.setattr(draws, "KEY_ROUTE_SHARE", 0.0)
+    if route == "keys, drawn again":  # factors and values too large to keep: drawn again
+        monkeypatch.setattr(iso, "CHUNK_ENTRIES", 64)
+    draws.raw_draws.cache_clear()
+    draws.key_draws.cache_clear()
+    n_heads, n_value, d_model, d_head = 4, 2, 12, 2
+    p, W_V = grouped_problem(n_heads, n_value, d_model, d_head, seed=7, pos=6, batch=1)
+    kv = list(value_heads.grouped_value_heads(n_heads, n_value))
+    walk = ConnectionWalk.from_pattern(p.pattern, p.field, W_V, p.W_O)
+    res = walk.laplacian_residual(baseline_draws=64, seed=3)
+    rank = min(d_model, n_value * d_head)
+    own = own_baseline(p, W_V, kv, rank, 256, seed=11)
+    for name in ("transport_defect", "field_defect"):
+        mean_z, std_z = z_scores(res.baseline[name].draws, own[name])
+        assert (mean_z < 4).all() and (std_z < 4).all(), (name, mean_z, std_z)
+    unshared = own_baseline(p, W_V, kv, min(d_model, n_heads * d_head), 256, 11, shared=False)
+    mean_z, _ = z_scores(res.baseline["transport_defect"].draws, unshared["transport_defect"])
+    assert (mean_z > 8).all(), mean_z
+
+
+def test_grouped_draws_equal_fresh_draws_per_measurement():
+    """The draws shared by every layer (`core.draws`) are those of `isometry.random_baselines`
+    with the same seed and map, measurement by measurement."""
+    draws.raw_draws.cache_clear()
+    p, W_V = grouped_problem(6, 2, 10, 3, seed=5, causal=True)
+    kv = value_heads.grouped_value_heads(6, 2)
+    walk = ConnectionWalk.from_pattern(p.pattern, p.field, W_V, p.W_O)
+    res = walk.laplacian_residual(baseline_draws=3, seed=11)
+    rank = iso.effective_rank(walk.W_V, walk.W_O, kv)
+    measures = {
+        "head_defects": iso.head_transport_defects,
+        "transport_defect": lambda values, outputs: iso.effective_transport_defect(
+            p.walk, p.gates, values, outputs, kv_heads=kv
+        ),
+    }
+    expected = iso.random_baselines(measures, walk.W_V, walk.W_O, 3, seed=11, kv_heads=kv)
+    for name, base in expected.items():
+        torch.testing.assert_close(res.baseline[name].draws, base.draws, msg=name)
+    layer = draws.layer_draws(walk.W_V, walk.W_O, 3, 11, kv_heads=kv)
+    fresh = torch.Generator().manual_seed(11)
+    for factors in layer.factors():
+        for got, want in zip(
+            factors, iso.random_head_factors(walk.W_V, walk.W_O, fresh, kv), strict=True
+        ):
+            torch.testing.assert_close(got, want)
+    assert rank == 6
