@@ -2,7 +2,7 @@ import re
 
 import pytest
 
-from tests.architectures import hooked_only
+from tests.architectures import HAS_HOOKED
 from tests.zoo.helpers import save_tiny
 from tl_connwalk.cli import main
 
@@ -39,13 +39,13 @@ def test_report_on_a_toy_model(tmp_path, capsys):
 BAR = re.compile(r"\d+%\|")  # how tqdm draws a bar: "  58%|█████▊    | 157/272"
 
 
-@hooked_only
-def test_no_progress_draws_no_bar(tmp_path, capfd):
+@pytest.mark.parametrize("backend", ["hooked", "bridge"] if HAS_HOOKED else ["bridge"])
+def test_no_progress_draws_no_bar(tmp_path, capfd, backend):
     """A local model's report: its loading bar is drawn by default, and nothing with
     --no-progress (stderr captured at the file descriptor)."""
     save_tiny("llama", tmp_path / "tiny")
-    args = ["report", "--model", str(tmp_path / "tiny"), "--max-tokens", "8",
-            "--baseline-draws", "2", "--overwrite"]  # fmt: skip
+    args = ["report", "--model", str(tmp_path / "tiny"), "--backend", backend, "--max-tokens",
+            "8", "--baseline-draws", "2", "--overwrite"]  # fmt: skip
     assert main([*args, "--out", str(tmp_path / "shown")]) == 0
     assert BAR.search(capfd.readouterr().err)  # the check below can fail
     assert main([*args, "--out", str(tmp_path / "quiet"), "--no-progress"]) == 0
