@@ -55,18 +55,56 @@ def test_zero_transport_is_tl_zero_ablation(arch, head):
     assert not torch.allclose(actual, model(toks))
 
 
+def mean_pattern(heads, pattern, hook):
+    """The chosen heads' patterns replaced by their mean, by hand at ``hook_pattern``."""
+    pattern = pattern.clone()
+    pattern[:, heads] = pattern[:, heads].mean(1, keepdim=True)
+    return pattern
+
+
 def test_uniform_gates_is_mean_pattern(model):
     toks = tokens()
-
-    def mean_pattern(pattern, hook):
-        return pattern.mean(1, keepdim=True).expand_as(pattern)
-
+    every = list(range(model.cfg.n_heads))
     expected = model.run_with_hooks(
-        toks, fwd_hooks=[(f"blocks.{LAYER}.attn.hook_pattern", mean_pattern)]
+        toks, fwd_hooks=[(f"blocks.{LAYER}.attn.hook_pattern", partial(mean_pattern, every))]
     )
     assert_close(
         model.run_with_hooks(toks, fwd_hooks=ablations.uniform_gates(model, LAYER)), expected
     )
+
+
+@pytest.mark.parametrize("arch", ["gpt2_ln", "llama_gqa_rotary", "ln_post_gemma_like"])
+@pytest.mark.parametrize("heads", [[0, 2], [3, 1, 2]])
+def test_uniform_gates_of_chosen_heads(arch, heads):
+    """Chosen heads get their mean pattern (TransformerLens hook_pattern edited by hand); their
+    total gate on every edge and every other head's gate are kept."""
+    model = tl_connwalk.attach(build(arch))
+    toks = tokens()
+    expected = model.run_with_hooks(
+        toks, fwd_hooks=[(f"blocks.{LAYER}.attn.hook_pattern", partial(mean_pattern, heads))]
+    )
+    seen = {}
+
+    def record(key, gates, hook):
+        seen[key] = gates.detach().clone()
+
+    gates_name = hook_name(LAYER, "gates")
+    model.run_with_hooks(toks, fwd_hooks=[(gates_name, partial(record, "clean"))])
+    patch = ablations.uniform_gates(model, LAYER, heads=heads)
+    actual = model.run_with_hooks(toks, fwd_hooks=[*patch, (gates_name, partial(record, "new"))])
+    assert_close(actual, expected)
+    assert not torch.allclose(actual, model(toks))
+    clean, new = seen["clean"], seen["new"]
+    others = [h for h in range(model.cfg.n_heads) if h not in heads]
+    torch.testing.assert_close(new[:, others], clean[:, others], rtol=0, atol=0)
+    assert_close(new[:, heads].sum(1), clean[:, heads].sum(1))
+    assert_close(new[:, heads], new[:, heads[:1]].expand(-1, len(heads), -1, -1))
+
+
+def test_uniform_gates_needs_two_heads(model):
+    for heads in (1, [2, 2], []):
+        with pytest.raises(ConnWalkError, match="at least two heads"):
+            ablations.uniform_gates(model, LAYER, heads=heads)
 
 
 @pytest.mark.parametrize("per_sequence", [False, True])
@@ -178,14 +216,28 @@ def test_transport_patch_all_heads(model, kind):
 def test_message_patch_runs_user_callable(model):
     toks = tokens()
     assert_close(
-        model.run_with_hooks(toks, fwd_hooks=ablations.message_patch(LAYER, lambda m: m)),
+        model.run_with_hooks(toks, fwd_hooks=ablations.message_patch(model, LAYER, lambda m: m)),
         model(toks),
     )
-    zeroed = ablations.message_patch(LAYER, lambda m: m.index_fill(2, torch.tensor([0]), 0.0))
-    assert_close(
-        model.run_with_hooks(toks, fwd_hooks=zeroed),
-        model.run_with_hooks(toks, fwd_hooks=ablations.zero_transport(model, LAYER, 0)),
+
+    def zero_head_0(messages):
+        return messages.index_fill(2, torch.tensor([0]), 0.0)
+
+    expected = model.run_with_hooks(
+        toks, fwd_hooks=[(f"blocks.{LAYER}.attn.hook_z", partial(zero_z, [0]))]
     )
+    zeroed = ablations.message_patch(model, LAYER, zero_head_0)
+    assert_close(model.run_with_hooks(toks, fwd_hooks=zeroed), expected)
+    with pytest.warns(DeprecationWarning, match=r"message_patch\(model, layer, fn\)"):
+        old_order = ablations.message_patch(LAYER, zero_head_0)
+    assert [name for name, _ in old_order] == [name for name, _ in zeroed]
+    assert_close(model.run_with_hooks(toks, fwd_hooks=old_order), expected)
+    with pytest.raises(ConnWalkError, match="layer"):
+        ablations.message_patch(model, 7, zero_head_0)
+    with pytest.raises(ConnWalkError, match="attach"):
+        ablations.message_patch(build("gpt2_ln"), LAYER, zero_head_0)
+    with pytest.raises(ConnWalkError, match="callable"):
+        ablations.message_patch(model, LAYER)
 
 
 def test_factories_refuse_bad_input(model):
@@ -259,3 +311,170 @@ def test_ablation_sweep_subsets(model):
     assert list(zip(table["head"], table.ablation, strict=True)) == [
         (1, "zero"), ("all", "zero"), ("all", "uniform_gates"),
     ]  # fmt: skip
+
+
+def loss_at(logits, toks, positions):
+    """Next-token cross-entropy at ``positions`` by hand, in float64."""
+    log_probs = logits.double().log_softmax(-1)
+    picked = [log_probs[:, p].gather(-1, toks[:, p + 1, None])[:, 0] for p in positions]
+    return -torch.stack(picked, 1).mean().item()
+
+
+def tl_runs(model, toks, layer, head):
+    """Logits of the clean model, TransformerLens zero-ablation at hook_z and the mean pattern
+    at hook_pattern (the references of "zero" and "uniform_gates")."""
+    heads = list(range(model.cfg.n_heads)) if head == "all" else [head]
+    z_hook = (f"blocks.{layer}.attn.hook_z", partial(zero_z, heads))
+    every = list(range(model.cfg.n_heads))
+    gates_hook = (f"blocks.{layer}.attn.hook_pattern", partial(mean_pattern, every))
+    return {
+        "clean": model(toks),
+        "zero": model.run_with_hooks(toks, fwd_hooks=[z_hook]),
+        "uniform_gates": model.run_with_hooks(toks, fwd_hooks=[gates_hook]),
+    }
+
+
+def check_against(table, references, read, prefix):
+    """Every zero / uniform_gates row, and the clean value, against ``read(reference logits)``."""
+    for row in table.itertuples():
+        if row.ablation not in references[row.head]:
+            continue
+        expected = read(references[row.head][row.ablation])
+        ablated = getattr(row, f"{prefix}_ablated")
+        assert ablated == pytest.approx(expected, rel=1e-5, abs=1e-5), row
+        clean = read(references[row.head]["clean"])
+        assert getattr(row, f"{prefix}_clean") == pytest.approx(clean, rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["gpt2_ln", "llama_gqa_rotary"])
+def test_sweep_loss_at_chosen_positions(arch):
+    """An induction-style loss: the default metric read only at the second half's positions."""
+    model = build(arch)
+    half = torch.randint(0, model.cfg.d_vocab, (2, 5), generator=torch.Generator().manual_seed(3))
+    toks = torch.cat([half, half], dim=1)
+    positions = [5, 6, 7, 8]  # each predicts a repeated token
+    table = ablations.ablation_sweep(
+        model, toks, ablations=("zero", "uniform_gates", "isometric"), layers=[LAYER],
+        heads=[1, "all"], progress=False, positions=positions,
+    )  # fmt: skip
+    references = {h: tl_runs(model, toks, LAYER, h) for h in (1, "all")}
+    check_against(table, references, lambda logits: loss_at(logits, toks, positions), "loss")
+    assert set(zip(table["head"], table.ablation, strict=True)) == {
+        (1, "zero"), (1, "isometric"), ("all", "zero"), ("all", "uniform_gates"),
+        ("all", "isometric"),
+    }  # fmt: skip
+    # the same positions as a slice, and every position by default: TransformerLens's loss
+    as_slice = ablations.ablation_sweep(
+        model, toks, ("zero",), [LAYER], [1], progress=False, positions=slice(5, -1)
+    )
+    assert as_slice.loss_ablated.item() == table.loss_ablated.iloc[0]
+    everywhere = ablations.ablation_sweep(model, toks, ("zero",), [LAYER], [1], progress=False)
+    assert everywhere.loss_clean.item() == pytest.approx(
+        model(toks, return_type="loss").item(), rel=1e-6
+    )
+    assert everywhere.loss_ablated.item() == pytest.approx(
+        loss_at(references[1]["zero"], toks, range(toks.shape[1] - 1)), rel=1e-5
+    )
+
+
+def test_sweep_one_argument_metric(model):
+    """metric(logits): a logit difference at the last position."""
+    toks = tokens()
+
+    def logit_diff(logits):
+        return (logits[:, :, 3] - logits[:, :, 5]).mean()
+
+    table = ablations.ablation_sweep(
+        model, toks, ablations=("zero", "uniform_gates"), layers=[LAYER], heads=[2, "all"],
+        progress=False, metric=logit_diff, positions=-1,
+    )  # fmt: skip
+    assert list(table.columns) == [
+        "layer", "head", "ablation", "metric_clean", "metric_ablated", "delta_metric",
+        "metric_tl_zero", "delta_metric_tl_zero",
+    ]  # fmt: skip
+    references = {h: tl_runs(model, toks, LAYER, h) for h in (2, "all")}
+
+    def read(logits):
+        return (logits[:, -1, 3] - logits[:, -1, 5]).double().mean().item()
+
+    check_against(table, references, read, "metric")
+    zero = table[table.ablation == "zero"]
+    torch.testing.assert_close(
+        torch.tensor(zero.metric_ablated.values),
+        torch.tensor(zero.metric_tl_zero.values),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+def test_sweep_two_argument_metric(model):
+    """metric(logits, targets): targets are the tokens the logits predict; default positions
+    are every position but the last."""
+    toks = tokens()
+    seen = []
+
+    def correct_logit(logits, targets):
+        seen.append((tuple(logits.shape), targets.clone()))
+        return logits.gather(-1, targets[..., None]).mean()
+
+    table = ablations.ablation_sweep(
+        model, toks, ablations=("zero",), layers=[LAYER], heads=["all"], progress=False,
+        metric=correct_logit,
+    )  # fmt: skip
+    n_pos = toks.shape[1]
+    assert seen[0][0] == (2, n_pos - 1, model.cfg.d_vocab)
+    assert torch.equal(seen[0][1], toks[:, 1:])
+    references = {"all": tl_runs(model, toks, LAYER, "all")}
+
+    def read(logits):
+        return logits[:, :-1].gather(-1, toks[:, 1:, None]).double().mean().item()
+
+    check_against(table, references, read, "metric")
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"positions": [8]}, "last position"),
+        ({"positions": slice(5, None)}, "last position"),
+        ({"positions": [9]}, "positions must be ints"),
+        ({"positions": slice(3, 3)}, "selects none"),
+        ({"metric": lambda logits: logits.mean(-1)}, "one number"),
+        ({"metric": lambda: 0.0}, "no positional argument"),
+    ],
+)
+def test_sweep_refuses_bad_metric_or_positions(model, options, match):
+    with pytest.raises(ConnWalkError, match=match):
+        ablations.ablation_sweep(
+            model, tokens(), ("zero",), [LAYER], ["all"], progress=False, **options
+        )
+
+
+def test_sweep_refuses_unbatched_tokens(model):
+    with pytest.raises((ConnWalkError, TypeCheckError), match="batch"):
+        ablations.ablation_sweep(model, tokens()[0], ("zero",), [LAYER], progress=False)
+
+
+@pytest.mark.parametrize(
+    ("kinds", "heads"),
+    [(("zero", "mean", "uniform_gates"), [0, 3, "all"]), (("uniform_gates",), [1, "all"])],
+)
+def test_sweep_announces_and_counts_its_forward_passes(model, capsys, kinds, heads):
+    """The printed count and the bar's total are the forward passes the model really ran."""
+    calls = []
+    handle = model.embed.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        ablations.ablation_sweep(model, tokens(), kinds, [0, LAYER], heads, progress=True)
+    finally:
+        handle.remove()
+    err = capsys.readouterr().err
+    passes = len(calls)
+    assert f"ablation_sweep: {passes:,} forward passes" in err
+    assert f"{passes}/{passes}" in err  # the progress bar's total, reached
+    head_wise = len([k for k in kinds if k != "uniform_gates"])
+    n_h, g = len(heads), int("uniform_gates" in kinds)
+    if head_wise:  # the documented formula
+        assert passes == 1 + 2 * (n_h * (head_wise + 1) + g)
+
+    ablations.ablation_sweep(model, tokens(), kinds, [LAYER], heads, progress=False)
+    assert capsys.readouterr().err == ""

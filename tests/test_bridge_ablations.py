@@ -62,17 +62,23 @@ def projection_output(bridge, fwd_hooks):
 
 
 @pytest.mark.parametrize("bridge", BRIDGE_DECODERS, indirect=True)
-def test_uniform_gates_is_mean_pattern(bridge):
+@pytest.mark.parametrize("heads", [None, [0, 2]])
+def test_uniform_gates_is_mean_pattern(bridge, heads):
+    chosen = list(range(bridge.cfg.n_heads)) if heads is None else heads
+
     def mean_pattern(pattern, hook):
-        return pattern.mean(1, keepdim=True).expand_as(pattern)
+        pattern = pattern.clone()
+        pattern[:, chosen] = pattern[:, chosen].mean(1, keepdim=True)
+        return pattern
 
     expected = bridge.run_with_hooks(
         bridge_tokens(), fwd_hooks=[(f"blocks.{LAYER}.attn.hook_pattern", mean_pattern)]
     )
     actual = bridge.run_with_hooks(
-        bridge_tokens(), fwd_hooks=ablations.uniform_gates(bridge, LAYER)
+        bridge_tokens(), fwd_hooks=ablations.uniform_gates(bridge, LAYER, heads=heads)
     )
     assert_close(actual, expected)
+    assert not torch.allclose(actual, bridge(bridge_tokens()))
 
 
 @pytest.mark.parametrize("bridge", BRIDGE_DECODERS, indirect=True)
@@ -126,6 +132,24 @@ def test_ablation_sweep_on_a_bridge(arch):
     )
     assert table.loss_ablated.notna().all() and (table.delta_loss.abs() > 0).all()
     assert sorted(model.hook_dict) == names_before  # detached again
+
+
+def test_ablation_sweep_metric_and_positions_on_a_bridge():
+    """The loss at chosen positions, against the Bridge's own hook_z zero-ablation read by hand."""
+    model = random_bridge("llama")
+    toks = bridge_tokens()
+    positions = [2, 4]
+    table = ablations.ablation_sweep(
+        model, toks, ("zero",), [LAYER], ["all"], progress=False, positions=positions
+    )
+    heads = list(range(model.cfg.n_heads))
+    logits = model.run_with_hooks(
+        toks, fwd_hooks=[(f"blocks.{LAYER}.attn.hook_z", functools.partial(zero_z, heads))]
+    )
+    log_probs = logits.double().log_softmax(-1)[:, positions]
+    expected = -log_probs.gather(-1, toks[:, [p + 1 for p in positions], None]).mean().item()
+    assert table.loss_ablated.item() == pytest.approx(expected, rel=1e-5)
+    assert table.loss_tl_zero.item() == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.parametrize("bridge", [b for b in BRIDGES if b[0] == "bert"], indirect=True)

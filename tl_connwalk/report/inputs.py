@@ -31,12 +31,13 @@ def toy_names() -> list[str]:
 
 
 def load_model(
-    name: str, backend: Backend | None, device: str, dtype: str
+    name: str, backend: Backend | None, device: str, dtype: str, progress: bool = True
 ) -> tuple[nn.Module, Backend]:
     """The model ``name`` on ``device`` in ``dtype``, and the backend it was loaded with.
 
     ``backend=None`` picks ``"bridge"`` for toy models (the only kind `tl_connwalk.toy`
-    builds) and ``"hooked"`` otherwise.
+    builds) and ``"hooked"`` otherwise. ``progress=False``: no conversion or loading bars (toy
+    models never draw any).
     """
     if dtype not in DTYPES:
         raise ConnWalkError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}.")
@@ -56,7 +57,8 @@ def load_model(
     from tl_connwalk import zoo
 
     chosen: Backend = backend or "hooked"
-    return zoo.load(name, backend=chosen, device=device, dtype=DTYPES[dtype]), chosen
+    model = zoo.load(name, backend=chosen, device=device, dtype=DTYPES[dtype], progress=progress)
+    return model, chosen
 
 
 def read_text(text: Path | None, dataset: Path | None) -> tuple[str, dict[str, Any]]:

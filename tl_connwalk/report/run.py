@@ -207,7 +207,9 @@ def run_report(config: ReportConfig, console: Console | None = None) -> Path:
     timing: dict[str, float] = {}
     start = time.perf_counter()
     console.print(f"loading {config.model} ...", highlight=False)
-    model, backend = inputs.load_model(config.model, config.backend, config.device, config.dtype)
+    model, backend = inputs.load_model(
+        config.model, config.backend, config.device, config.dtype, config.progress
+    )
     timing["load_s"] = time.perf_counter() - start
     text, source = inputs.read_text(config.text, config.dataset)
     user_text = config.text is not None or config.dataset is not None

