@@ -9,6 +9,8 @@
 """
 
 from tl_connwalk.analysis import geometry_table as geometry_table
+from tl_connwalk.attribution import Attribution as Attribution
+from tl_connwalk.attribution import attribute as attribute
 from tl_connwalk.analysis import layer_drift as layer_drift
 from tl_connwalk.cache import connection_walk as connection_walk
 from tl_connwalk.cache import laplacian_residual as laplacian_residual
@@ -27,6 +29,7 @@ from tl_connwalk.walk import ConnectionWalk as ConnectionWalk
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "Attribution",
     "ConnWalkError",
     "ConnectionGenerator",
     "ConnectionWalk",
@@ -34,6 +37,7 @@ __all__ = [
     "LaplacianResidual",
     "analyze",
     "attach",
+    "attribute",
     "connection_walk",
     "detach",
     "geometry_table",

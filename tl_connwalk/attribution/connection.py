@@ -181,8 +181,8 @@ def components(
         names, reads = ["embed"], [(seen["embed"][rows, target.position] * g).sum(-1)]
         for layer in range(n_layers):
             block = model.blocks[layer]  # type: ignore[index]
-            post = getattr(block, "ln1_post", None) if cfg.use_normalization_before_and_after else None
             scale = frozen.frozen.get(f"blocks.{layer}.ln1_post.hook_scale")
+            post = getattr(block, "ln1_post", None)
             g_attn = _post_norm_transpose(
                 model, post, None if scale is None else scale[rows, target.position], g
             )

@@ -18,6 +18,7 @@ fed the clean embeddings, reproduces the clean run.
 """
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -127,8 +128,9 @@ class FrozenNetwork:
         def constant(value: Tensor) -> HookFn:
             return lambda activation, hook: value.to(activation.dtype)
 
-        def remember(activation: Tensor, hook: Any) -> None:
-            live[hook.name] = activation
+        def remember(pre: str) -> HookFn:
+            # keyed by the name asked for: a Bridge reports its aliases' canonical names
+            return lambda activation, hook: live.__setitem__(pre, activation)
 
         def gain(pre: str, value: Tensor) -> HookFn:
             return lambda activation, hook: value * live.pop(pre)
@@ -136,7 +138,7 @@ class FrozenNetwork:
         for name, value in {**self.frozen, **embeddings}.items():
             hooks.append((name, constant(value)))
         for name, (pre, value) in self.gains.items():
-            hooks += [(pre, remember), (name, gain(pre, value))]
+            hooks += [(pre, remember(pre)), (name, gain(pre, value))]
         for name, tap in taps.items():
             hooks.append((name, lambda activation, hook, tap=tap: tap(activation)))
         return hooks
@@ -157,9 +159,12 @@ class FrozenNetwork:
     ) -> Tensor:
         """``F`` at ``embeddings`` (hook name -> ``[batch, pos, d_model]``); the logits."""
         hooks = self.hooks(embeddings, taps)
-        logits: Tensor = self.model.run_with_hooks(  # type: ignore[operator]
-            self.tokens, fwd_hooks=hooks
-        )
+        with warnings.catch_warnings():
+            # a Bridge's native-norm path warns that an edited hook_scale changes its rounding
+            warnings.filterwarnings("ignore", message=".*edited hook_scale")
+            logits: Tensor = self.model.run_with_hooks(  # type: ignore[operator]
+                self.tokens, fwd_hooks=hooks
+            )
         return logits
 
 
