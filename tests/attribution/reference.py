@@ -21,23 +21,23 @@ def clean_cache(model: Any, tokens: Tensor) -> Any:
     return cache
 
 
-def frozen_hooks(model: Any, cache: Any, keep: int | None) -> list[tuple[str, Any]]:
-    """Hooks making ``model`` the frozen network fed only source ``keep``'s embeddings (or
-    none: ``keep=None``)."""
+def frozen_hooks(model: Any, cache: Any, keep: int | str | None) -> list[tuple[str, Any]]:
+    """Hooks making ``model`` the frozen network fed only source ``keep``'s embeddings (none:
+    ``keep=None``; all of them: ``keep="all"``)."""
     hooks: list[tuple[str, Any]] = []
     live: dict[str, Tensor] = {}
 
     def const(value: Tensor) -> Any:
         return lambda x, hook: value.clone()
 
-    for name in cache.keys():
+    for name in cache:
         if name.endswith(("attn.hook_pattern", "hook_scale")):
             hooks.append((name, const(cache[name])))
     for layer in range(model.cfg.n_layers):
         pre, post = f"blocks.{layer}.mlp.hook_pre", f"blocks.{layer}.mlp.hook_post"
-        if pre not in cache.keys():
+        if pre not in cache:
             continue
-        if f"blocks.{layer}.mlp.hook_pre_linear" in cache.keys():
+        if f"blocks.{layer}.mlp.hook_pre_linear" in cache:
             hooks.append((pre, const(cache[pre])))
             continue
         z = cache[pre]
@@ -47,7 +47,7 @@ def frozen_hooks(model: Any, cache: Any, keep: int | None) -> list[tuple[str, An
         hooks.append((pre, lambda x, hook, pre=pre: live.__setitem__(pre, x)))
         hooks.append((post, lambda x, hook, pre=pre, gain=gain: gain * live[pre]))
     for name in EMBEDDINGS:
-        if name in cache.keys():
+        if name in cache and keep != "all":
             value = torch.zeros_like(cache[name])
             if keep is not None:
                 value[:, keep] = cache[name][:, keep]

@@ -5,7 +5,7 @@ import torch
 from jaxtyping import TypeCheckError
 
 import tl_connwalk
-from tests.architectures import BRIDGE_DECODERS, build, bridge_tokens, cached_bridge, tokens
+from tests.architectures import BRIDGE_DECODERS, bridge_tokens, build, cached_bridge, tokens
 from tests.attribution import reference
 from tests.tolerances import RTOL
 from tl_connwalk import Attribution
@@ -42,7 +42,9 @@ def test_targets_logit_difference_and_direction(arch_):
     diff = tl_connwalk.attribute(model, toks, target=(3, torch.tensor([5, 7])))
     assert_exact(diff.scores, first.scores - second.scores, diff)
     assert_exact(diff.target_value, first.target_value - second.target_value, diff)
-    u = torch.randn(model.cfg.d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    u = torch.randn(
+        model.cfg.d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(0)
+    )
     direction = tl_connwalk.attribute(model, toks, target=u, position=4)
     _, cache = model.run_with_cache(toks)
     resid = cache[f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"][:, 4]

@@ -94,8 +94,5 @@ def attribute(
         targets=tuple(target_.describe()),
         method=method,
         _components=result.components,
-        _edge_parts=result.edge_parts,
+        _edges=result.edges,
     )
-
-
-

@@ -9,15 +9,16 @@ nonlinearity ``F`` failed to freeze cannot pass unnoticed.
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from tl_connwalk.adapters.weights import expand_kv_heads
 from tl_connwalk.attribution import targets
-from tl_connwalk.attribution.frozen import FrozenNetwork, final_resid_hook
+from tl_connwalk.attribution.frozen import FrozenNetwork, config, final_resid_hook
 from tl_connwalk.errors import ConnWalkError
 
 #: relative tolerance of the completeness check, by dtype (sums over the whole network)
@@ -26,21 +27,21 @@ COMPLETENESS_RTOL = {torch.float64: 1e-9, torch.float32: 1e-3}
 
 @dataclasses.dataclass(frozen=True)
 class Connection:
-    """What the exact method returns (all per sequence, ``[batch, ...]``)."""
+    """What the exact method returns (per sequence; ``edges`` per layer first)."""
 
     scores: Float[Tensor, "batch source"]
     bias: Float[Tensor, " batch"]
     frozen_value: Float[Tensor, " batch"]
-    edge_parts: tuple[Tensor, Tensor, Tensor]
+    edges: Float[Tensor, "layer batch head query key"]
     components: Callable[[], tuple[list[str], Tensor]]
 
 
 def _soft_cap(model: nn.Module) -> float:
-    return float(getattr(model.cfg, "output_logits_soft_cap", 0.0) or 0.0)  # type: ignore[union-attr]
+    return float(getattr(config(model), "output_logits_soft_cap", 0.0) or 0.0)
 
 
 def _n_layers(model: nn.Module) -> int:
-    return int(model.cfg.n_layers)  # type: ignore[union-attr]
+    return int(config(model).n_layers)
 
 
 def evaluate(
@@ -49,6 +50,7 @@ def evaluate(
     embeddings: dict[str, Tensor],
     taps: dict[str, Callable[[Tensor], None]],
     cap_gain: Tensor | None = None,
+    overrides: dict[str, Tensor] | None = None,
 ) -> tuple[Float[Tensor, " batch"], Tensor, Float[Tensor, "batch pos d_model"]]:
     """``F`` at ``embeddings``, read at the target: ``y`` ``[batch]``, its soft-cap gains and
     the final residual ``r_final``."""
@@ -56,7 +58,7 @@ def evaluate(
     name = final_resid_hook(frozen.model)
     taps = {**taps, name: lambda x: final.__setitem__("resid", x)}
     with frozen.unembedding_input() as seen:
-        frozen.run(embeddings, taps)
+        frozen.run(embeddings, taps, overrides)
     y, gain = targets.read(
         target,
         frozen.model.unembed,  # type: ignore[arg-type]
@@ -85,44 +87,46 @@ def _check_complete(y: Tensor, scores: Tensor, bias: Tensor, clean: Tensor) -> N
 def connection(
     frozen: FrozenNetwork, target: targets.Target, clean: Float[Tensor, " batch"]
 ) -> Connection:
-    """The exact attribution of ``target`` through ``frozen`` (``clean``: the model's value)."""
-    model = frozen.model
-    n_heads = int(model.cfg.n_heads)  # type: ignore[union-attr]
+    """The exact attribution of ``target`` through ``frozen`` (``clean``: the model's value).
+
+    The edges come from the same sweep: ``y`` is linear in each layer's frozen pattern, so
+    ``A^h_ij dy/dA^h_ij = g_i . A^h_ij (v^h_j W_O^h)`` (spec §6).
+    """
     leaves = {
         name: value.detach().clone().requires_grad_(True)
         for name, value in frozen.embeddings.items()
     }
-    zs: list[Tensor] = []
-    values: list[Tensor] = []
-    taps: dict[str, Callable[[Tensor], None]] = {}
-    for layer in range(_n_layers(model)):
-        taps[f"blocks.{layer}.attn.hook_z"] = zs.append
-        taps[f"blocks.{layer}.attn.hook_v"] = lambda v: values.append(v.detach())
+    patterns = {
+        f"blocks.{layer}.attn.hook_pattern": frozen.frozen[f"blocks.{layer}.attn.hook_pattern"]
+        for layer in range(_n_layers(frozen.model))
+    }
+    pattern_leaves = {
+        name: value.detach().clone().requires_grad_(True) for name, value in patterns.items()
+    }
     with torch.enable_grad():
-        y, cap_gain, _ = evaluate(frozen, target, leaves, taps)
-        grads = torch.autograd.grad(y.sum(), [*leaves.values(), *zs], allow_unused=True)
-    scores = sum(
-        ((grad * value).sum(-1) for grad, value in zip(grads, leaves.values(), strict=False)
-         if grad is not None),
-        torch.zeros_like(frozen.tokens, dtype=y.dtype),
-    )  # fmt: skip
+        y, cap_gain, _ = evaluate(frozen, target, leaves, {}, overrides=pattern_leaves)
+        grads = torch.autograd.grad(
+            y.sum(), [*leaves.values(), *pattern_leaves.values()], allow_unused=True
+        )
+    scores = torch.zeros_like(frozen.tokens, dtype=y.dtype)
+    for grad, value in zip(grads, leaves.values(), strict=False):
+        if grad is not None:
+            scores = scores + (grad * value).sum(-1)
     with torch.no_grad():
         zero = {name: torch.zeros_like(value) for name, value in frozen.embeddings.items()}
         bias, _, _ = evaluate(frozen, target, zero, {}, cap_gain)
-    _check_complete(y.detach(), scores.detach(), bias, clean)
-    patterns = torch.stack(
-        [frozen.frozen[f"blocks.{layer}.attn.hook_pattern"] for layer in range(_n_layers(model))]
+    _check_complete(y.detach(), scores, bias, clean)
+    edges = torch.stack(
+        [
+            torch.zeros_like(pattern) if grad is None else pattern * grad
+            for pattern, grad in zip(patterns.values(), grads[len(leaves) :], strict=True)
+        ]
     )
-    z_grads = [
-        torch.zeros_like(z) if grad is None else grad
-        for z, grad in zip(zs, grads[len(leaves) :], strict=True)
-    ]
-    expanded = [expand_kv_heads(v.transpose(0, 2), n_heads).transpose(0, 2) for v in values]
     return Connection(
         scores.detach(),
         bias,
         y.detach(),
-        (patterns, torch.stack(expanded), torch.stack(z_grads)),
+        edges,
         lambda: components(frozen, target, cap_gain),
     )
 
@@ -158,7 +162,7 @@ def components(
     """
     model = frozen.model
     n_layers = _n_layers(model)
-    cfg = model.cfg  # type: ignore[union-attr]
+    cfg = config(model)
     rows = torch.arange(target.position.shape[0], device=target.position.device)
     leaves = {
         name: value.detach().clone().requires_grad_(True)
@@ -169,10 +173,10 @@ def components(
         "blocks.0.hook_resid_pre": lambda x: seen.__setitem__("embed", x)
     }
     for layer in range(n_layers):
-        taps[f"blocks.{layer}.attn.hook_z"] = lambda x, k=f"z{layer}": seen.__setitem__(k, x)
+        taps[f"blocks.{layer}.attn.hook_z"] = functools.partial(seen.__setitem__, f"z{layer}")
         if not cfg.attn_only:
-            taps[f"blocks.{layer}.hook_mlp_out"] = (
-                lambda x, k=f"mlp{layer}": seen.__setitem__(k, x)
+            taps[f"blocks.{layer}.hook_mlp_out"] = functools.partial(
+                seen.__setitem__, f"mlp{layer}"
             )
     with torch.enable_grad():
         y, _, resid = evaluate(frozen, target, leaves, taps, cap_gain)
@@ -180,7 +184,7 @@ def components(
         g = g_full[rows, target.position].detach()
         names, reads = ["embed"], [(seen["embed"][rows, target.position] * g).sum(-1)]
         for layer in range(n_layers):
-            block = model.blocks[layer]  # type: ignore[index]
+            block: Any = model.blocks[layer]  # type: ignore[index]
             scale = frozen.frozen.get(f"blocks.{layer}.ln1_post.hook_scale")
             post = getattr(block, "ln1_post", None)
             g_attn = _post_norm_transpose(
@@ -204,7 +208,8 @@ def components(
             allow_unused=True,
         )
     parts = sum(
-        (grad * value).sum(-1) for grad, value in zip(grads, leaves.values(), strict=True)
+        (grad * value).sum(-1)
+        for grad, value in zip(grads, leaves.values(), strict=True)
         if grad is not None
     )
     return names, torch.as_tensor(parts).transpose(0, 1).detach()

@@ -116,11 +116,15 @@ class FrozenNetwork:
         return cls(model, tokens, frozen, gains, embeddings, logits, cache[final])
 
     def hooks(
-        self, embeddings: Mapping[str, Tensor], taps: Mapping[str, Callable[[Tensor], None]]
+        self,
+        embeddings: Mapping[str, Tensor],
+        taps: Mapping[str, Callable[[Tensor], None]],
+        overrides: Mapping[str, Tensor] | None = None,
     ) -> list[tuple[str, HookFn]]:
         """The forward hooks that make ``model`` compute ``F`` of ``embeddings``.
 
         ``taps``: hook name -> a function that is shown the live activation (to read it).
+        ``overrides``: frozen values to use instead (the same values as leaves of a graph).
         """
         hooks: list[tuple[str, HookFn]] = []
         live: dict[str, Tensor] = {}
@@ -135,7 +139,7 @@ class FrozenNetwork:
         def gain(pre: str, value: Tensor) -> HookFn:
             return lambda activation, hook: value * live.pop(pre)
 
-        for name, value in {**self.frozen, **embeddings}.items():
+        for name, value in {**self.frozen, **(overrides or {}), **embeddings}.items():
             hooks.append((name, constant(value)))
         for name, (pre, value) in self.gains.items():
             hooks += [(pre, remember(pre)), (name, gain(pre, value))]
@@ -155,10 +159,13 @@ class FrozenNetwork:
             handle.remove()
 
     def run(
-        self, embeddings: Mapping[str, Tensor], taps: Mapping[str, Callable[[Tensor], None]]
+        self,
+        embeddings: Mapping[str, Tensor],
+        taps: Mapping[str, Callable[[Tensor], None]],
+        overrides: Mapping[str, Tensor] | None = None,
     ) -> Tensor:
         """``F`` at ``embeddings`` (hook name -> ``[batch, pos, d_model]``); the logits."""
-        hooks = self.hooks(embeddings, taps)
+        hooks = self.hooks(embeddings, taps, overrides)
         with warnings.catch_warnings():
             # a Bridge's native-norm path warns that an edited hook_scale changes its rounding
             warnings.filterwarnings("ignore", message=".*edited hook_scale")
@@ -168,6 +175,11 @@ class FrozenNetwork:
         return logits
 
 
+def config(model: nn.Module) -> Any:
+    """The model's TransformerLens config (``cfg``)."""
+    return model.cfg
+
+
 def final_resid_hook(model: nn.Module) -> str:
     """The hook holding the residual stream after the last block, before the final norm."""
-    return f"blocks.{int(model.cfg.n_layers) - 1}.hook_resid_post"  # type: ignore[union-attr]
+    return f"blocks.{int(config(model).n_layers) - 1}.hook_resid_post"

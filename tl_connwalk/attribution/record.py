@@ -48,7 +48,7 @@ class Attribution:
     _components: Callable[[], tuple[list[str], Tensor]] | None = dataclasses.field(
         default=None, compare=False
     )
-    _edge_parts: tuple[Tensor, ...] | None = dataclasses.field(default=None, compare=False)
+    _edges: Tensor | None = dataclasses.field(default=None, compare=False)
 
     def __repr__(self) -> str:
         batch, n_pos = self.scores.shape
@@ -102,16 +102,13 @@ class Attribution:
         torch.Size([2, 4, 8, 8])
         """
         self._only("edges")
-        assert self._edge_parts is not None
-        patterns, values, grads = self._edge_parts
-        n_layers = patterns.shape[0]
+        assert self._edges is not None
+        n_layers = self._edges.shape[0]
         if isinstance(layer, bool) or not isinstance(layer, int):
             raise ConnWalkError(f"layer must be an int, got {type(layer).__name__}.")
         if not -n_layers <= layer < n_layers:
             raise ConnWalkError(f"layer {layer} is out of range for {n_layers} layers.")
-        return torch.einsum(
-            "bhqk,bkhd,bqhd->bhqk", patterns[layer], values[layer], grads[layer]
-        )
+        return self._edges[layer]
 
     def to_dataframe(self) -> Any:
         """A pandas DataFrame, one row per (sequence, source): ``batch``, ``source``,

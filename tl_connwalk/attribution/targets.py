@@ -133,8 +133,9 @@ def read(
     if unembed_input is None:
         raise ConnWalkError("the model's unembedding did not run; no logit can be read.")
     logits = unembed(unembed_input[rows, target.position][:, None])[:, 0]
+    assert target.token is not None  # a logit kind
     ids = torch.stack([target.token, target.token if target.other is None else target.other], 1)
-    picked = logits.gather(1, ids.to(logits.device))  # type: ignore[arg-type]
+    picked = logits.gather(1, ids.to(logits.device))
     if cap_gain is None:
         cap_gain = torch.ones_like(picked)
         if soft_cap > 0:
