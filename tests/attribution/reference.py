@@ -57,7 +57,20 @@ def frozen_hooks(model: Any, cache: Any, keep: int | str | None) -> list[tuple[s
 
 def frozen_logits(model: Any, tokens: Tensor, cache: Any, keep: int | None) -> Tensor:
     with torch.no_grad():
-        return model.run_with_hooks(tokens, fwd_hooks=frozen_hooks(model, cache, keep))
+        if not hasattr(model, "mlm_head"):
+            return model.run_with_hooks(tokens, fwd_hooks=frozen_hooks(model, cache, keep))
+        # a BERT MLM head: dense -> act -> LayerNorm, its activation frozen as a gain too
+        seen = []
+        act = model.mlm_head.act_fn
+        handle = act.register_forward_hook(lambda module, args, out: seen.append(args[0]))
+        model(tokens)
+        handle.remove()
+        gain = torch.nn.functional.gelu(seen[0]) / seen[0]
+        handle = act.register_forward_hook(lambda module, args, out: gain * args[0])
+        try:
+            return model.run_with_hooks(tokens, fwd_hooks=frozen_hooks(model, cache, keep))
+        finally:
+            handle.remove()
 
 
 def source_contributions(model: Any, tokens: Tensor, token: Tensor, position: int) -> Tensor:

@@ -1,11 +1,21 @@
 """The exact method against the frozen network of spec §6 run through TransformerLens hooks."""
 
+from typing import Any
+
 import pytest
 import torch
 from jaxtyping import TypeCheckError
 
 import tl_connwalk
-from tests.architectures import BRIDGE_DECODERS, bridge_tokens, build, cached_bridge, tokens
+from tests.architectures import (
+    BASE,
+    BRIDGE_DECODERS,
+    bridge_tokens,
+    build,
+    cached_bridge,
+    hooked_only,
+    tokens,
+)
 from tests.attribution import reference
 from tests.tolerances import RTOL
 from tl_connwalk import Attribution
@@ -19,6 +29,7 @@ def assert_exact(actual: torch.Tensor, expected: torch.Tensor, result: Attributi
     torch.testing.assert_close(actual, expected.to(actual), rtol=0, atol=atol)
 
 
+@hooked_only
 def test_complete_and_equal_to_the_frozen_network(arch):
     """sum_s c_s + b = the model's logit, and c_s = F(only e_s) - F(none) run by hooks."""
     model = build(arch, dtype=torch.float64)
@@ -34,6 +45,7 @@ def test_complete_and_equal_to_the_frozen_network(arch):
 
 
 @pytest.mark.parametrize("arch_", ["gpt2_ln", "llama_gqa_rotary"])
+@hooked_only
 def test_targets_logit_difference_and_direction(arch_):
     model = build(arch_, dtype=torch.float64)
     toks = tokens()
@@ -51,6 +63,40 @@ def test_targets_logit_difference_and_direction(arch_):
     torch.testing.assert_close(direction.target_value, resid @ u)
     assert_exact(direction.scores.sum(-1) + direction.bias, resid @ u, direction)
     assert (direction.scores[:, 5:] == 0).all()
+
+
+def random_encoder() -> Any:
+    """A random 2-layer BERT-style ``HookedEncoder`` in float64 (TransformerLens 3.x)."""
+    from transformer_lens import HookedEncoder, HookedTransformerConfig
+
+    cfg = HookedTransformerConfig(**{
+        **BASE, "act_fn": "gelu", "normalization_type": "LN", "attention_dir": "bidirectional",
+        "device": "cpu", "dtype": torch.float64,
+    })  # fmt: skip
+    model = HookedEncoder(cfg, move_to_device=False)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            one = 1.0 if name.endswith(".w") and "ln" in name else 0.0
+            param.copy_(one + 0.2 * torch.randn(param.shape, generator=generator).double())
+    return model
+
+
+@hooked_only
+def test_encoder_masked_position():
+    """A HookedEncoder: every position sends to the masked one, through a post-norm stack and
+    an MLM head whose activation is frozen as a gain."""
+    model = random_encoder()
+    toks = tokens()
+    result = tl_connwalk.attribute(model, toks, target=6, position=3)
+    logits = model(toks)
+    torch.testing.assert_close(result.target_value, logits[:, 3, 6])
+    assert_exact(result.scores.sum(-1) + result.bias, result.target_value, result)
+    expected = reference.source_contributions(model, toks, torch.tensor([6, 6]), position=3)
+    assert_exact(result.scores, expected, result)
+    assert (result.scores[:, 4:] != 0).all(), "later positions sent nothing to an encoder"
+    with pytest.raises(tl_connwalk.ConnWalkError, match="post-norm"):
+        result.by_component()
 
 
 @pytest.mark.parametrize("arch, compat", BRIDGE_DECODERS, ids=str)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import tl_connwalk
-from tests.architectures import build, cached_bridge, tokens
+from tests.architectures import build, cached_bridge, hooked_only, tokens
 from tests.attribution import reference
 from tests.tolerances import RTOL
 from tl_connwalk import Attribution
@@ -19,6 +19,7 @@ def tolerance(result: Attribution) -> float:
 @pytest.mark.parametrize(
     "arch_", ["gpt2_ln", "gpt2_processed", "llama_gqa_rotary", "parallel_rotary", "shortformer"]
 )
+@hooked_only
 def test_by_component_is_direct_logit_attribution_summed_over_sources(arch_):
     """Summed over sources, a component's entry is its direct logit attribution in the frozen
     network (TransformerLens's ``stack_head_results`` and ``apply_ln_to_stack``), minus what it
@@ -51,6 +52,7 @@ def test_by_component_is_direct_logit_attribution_summed_over_sources(arch_):
     torch.testing.assert_close(parts.sum(1), result.scores, rtol=0, atol=tolerance(result))
 
 
+@hooked_only
 def test_by_component_sums_to_scores_with_post_norms():
     model = build("ln_post_gemma_like", dtype=torch.float64)
     result = tl_connwalk.attribute(model, tokens())
@@ -100,6 +102,7 @@ def silenced(model, toks, layer, token, position):
     "arch_", ["gpt2_ln", "llama_gqa_rotary", "parallel_rotary", "ln_post_gemma_like"]
 )
 @pytest.mark.parametrize("layer", [0, 1])
+@hooked_only
 def test_edges_against_autograd_and_complete_per_layer(arch_, layer):
     model = build(arch_, dtype=torch.float64)
     toks = tokens()
@@ -141,6 +144,9 @@ def test_to_dataframe_and_repr(gpt2):
     ]  # fmt: skip
     assert len(frame) == 18
     sums = frame.groupby("batch")["score"].sum() + frame.groupby("batch")["bias"].first()
-    torch.testing.assert_close(torch.tensor(sums.to_numpy()), result.target_value.double())
+    expected = result.target_value.double()
+    torch.testing.assert_close(
+        torch.tensor(sums.to_numpy()), expected, rtol=0, atol=tolerance(result)
+    )
     assert frame["target"][0] == "logit[3] @ 8"
     assert "method='connection'" in repr(result)

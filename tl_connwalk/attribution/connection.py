@@ -17,6 +17,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
+from tl_connwalk.adapters.hooked_transformer import POST_NORM_ARCHITECTURES
 from tl_connwalk.attribution import targets
 from tl_connwalk.attribution.frozen import FrozenNetwork, config, final_resid_hook
 from tl_connwalk.errors import ConnWalkError
@@ -163,6 +164,12 @@ def components(
     model = frozen.model
     n_layers = _n_layers(model)
     cfg = config(model)
+    if hasattr(model, "mlm_head") or cfg.original_architecture in POST_NORM_ARCHITECTURES:
+        raise ConnWalkError(
+            "by_component needs a residual stream its components add into; in a post-norm "
+            "model (BERT, OLMo 2) every layer's norm rescales the whole stream, so no "
+            "component has a direct path of its own. Use scores and edges(layer)."
+        )
     rows = torch.arange(target.position.shape[0], device=target.position.device)
     leaves = {
         name: value.detach().clone().requires_grad_(True)

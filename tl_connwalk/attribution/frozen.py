@@ -38,7 +38,31 @@ EMBEDDING_HOOKS = (
     "embed.hook_token_type_embed",
 )
 
+#: activation modules outside any hook point (a BERT MLM head's dense -> act -> LayerNorm)
+HEAD_ACTIVATIONS = ("mlm_head.act_fn",)
+
 HookFn = Callable[..., Tensor | None]
+
+
+def _head_activations(model: nn.Module) -> dict[str, nn.Module]:
+    found = {}
+    for path in HEAD_ACTIVATIONS:
+        module: Any = model
+        for part in path.split("."):
+            module = getattr(module, part, None)
+        if isinstance(module, nn.Module):
+            found[path] = module
+    return found
+
+
+@contextmanager
+def _module_hooks(hooks: Mapping[nn.Module, Callable[..., Any]]) -> Iterator[None]:
+    handles = [module.register_forward_hook(hook) for module, hook in hooks.items()]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _is_frozen_in_place(name: str) -> bool:
@@ -67,6 +91,7 @@ class FrozenNetwork:
         tokens: ``[batch, pos]`` the clean run's tokens.
         frozen: hook name -> clean value to put back (patterns, scales, gated MLPs' gates).
         gains: ``mlp.hook_post`` name -> ``(mlp.hook_pre name, act(z*)/z*)``.
+        head_gains: activation module path (`HEAD_ACTIVATIONS`) -> ``act(z*)/z*``.
         embeddings: embedding hook name -> clean value ``[batch, pos, d_model]``.
         logits: the clean run's logits ``[batch, pos, d_vocab]``.
         final_resid: the clean residual after the last block ``[batch, pos, d_model]``.
@@ -76,6 +101,7 @@ class FrozenNetwork:
     tokens: Int[Tensor, "batch pos"]
     frozen: Mapping[str, Tensor]
     gains: Mapping[str, tuple[str, Tensor]]
+    head_gains: Mapping[str, Tensor]
     embeddings: Mapping[str, Tensor]
     logits: Tensor
     final_resid: Tensor
@@ -95,10 +121,17 @@ class FrozenNetwork:
             or name in EMBEDDING_HOOKS
         }
         final = final_resid_hook(model)
-        with torch.no_grad():
+        heads = _head_activations(model)
+        seen: dict[str, tuple[Tensor, Tensor]] = {}
+        taps = {
+            module: lambda module, args, out, path=path: seen.__setitem__(path, (args[0], out))
+            for path, module in heads.items()
+        }
+        with torch.no_grad(), _module_hooks(taps):
             logits, cache = model.run_with_cache(  # type: ignore[operator]
                 tokens, names_filter=lambda name: name in wanted or name == final
             )
+        head_gains = {path: _gain(*seen[path]) for path in seen}
         frozen = {name: cache[name] for name in cache if _is_frozen_in_place(name)}
         frozen |= {name: cache[name] for name in gated if name in cache}
         gains = {}
@@ -106,14 +139,14 @@ class FrozenNetwork:
             pre = name.removesuffix("post") + "pre"
             if name.endswith("mlp.hook_post") and pre not in gated and pre in cache:
                 z, post = cache[pre], cache[name]
-                gains[name] = (pre, torch.where(z == 0, torch.zeros_like(z), post / z))
+                gains[name] = (pre, _gain(z, post))
         embeddings = {name: cache[name] for name in EMBEDDING_HOOKS if name in cache}
         if not embeddings:
             raise ConnWalkError(
                 f"{type(model).__name__} fired none of the embedding hooks {EMBEDDING_HOOKS}; "
                 "attribution splits the output over them (spec §6)."
             )
-        return cls(model, tokens, frozen, gains, embeddings, logits, cache[final])
+        return cls(model, tokens, frozen, gains, head_gains, embeddings, logits, cache[final])
 
     def hooks(
         self,
@@ -166,13 +199,23 @@ class FrozenNetwork:
     ) -> Tensor:
         """``F`` at ``embeddings`` (hook name -> ``[batch, pos, d_model]``); the logits."""
         hooks = self.hooks(embeddings, taps, overrides)
-        with warnings.catch_warnings():
+        heads = _head_activations(self.model)
+        frozen_heads = {
+            heads[path]: lambda module, args, out, gain=gain: gain * args[0]
+            for path, gain in self.head_gains.items()
+        }
+        with warnings.catch_warnings(), _module_hooks(frozen_heads):
             # a Bridge's native-norm path warns that an edited hook_scale changes its rounding
             warnings.filterwarnings("ignore", message=".*edited hook_scale")
             logits: Tensor = self.model.run_with_hooks(  # type: ignore[operator]
                 self.tokens, fwd_hooks=hooks
             )
         return logits
+
+
+def _gain(z: Tensor, activation: Tensor) -> Tensor:
+    """``act(z)/z``, 0 where ``z = 0`` (any gain reproduces ``act(0) = 0`` there)."""
+    return torch.where(z == 0, torch.zeros_like(z), activation / z)
 
 
 def config(model: nn.Module) -> Any:
