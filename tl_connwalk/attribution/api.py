@@ -5,13 +5,13 @@ from typing import Literal, get_args
 from torch import Tensor, nn
 
 from tl_connwalk.adapters import adapter_for
-from tl_connwalk.attribution import targets
+from tl_connwalk.attribution import baselines, targets
 from tl_connwalk.attribution.connection import connection
 from tl_connwalk.attribution.frozen import FrozenNetwork
 from tl_connwalk.attribution.record import Attribution
 from tl_connwalk.errors import ConnWalkError
 
-Method = Literal["connection"]
+Method = Literal["connection", "grad_x_input", "knockout"]
 
 
 def _tokens(model: nn.Module, input: str | list[str] | Tensor) -> Tensor:
@@ -66,7 +66,11 @@ def attribute(
             ``r_final`` the residual after the last block, before the final norm.
         position: the position the target is read at (an int, negative from the end, or
             ``[batch]`` ints).
-        method: ``"connection"``, the exact method.
+        method: ``"connection"``, the exact method; or a baseline (see
+            `tl_connwalk.attribution.baselines`): ``"grad_x_input"`` (the real gradient times
+            the embeddings) or ``"knockout"`` (ground truth by intervention: the target's drop
+            when no other query may attend to the source, in any layer; one forward pass per
+            source). A baseline's ``bias`` is what it leaves unexplained.
 
     Returns:
         An `Attribution`: ``scores`` ``[batch, source]``, ``bias`` and ``target_value``
@@ -84,6 +88,21 @@ def attribute(
     frozen = FrozenNetwork.from_clean_run(model, tokens)
     target_ = targets.resolve(target, position, frozen.logits)
     clean = targets.clean_value(target_, frozen.logits, frozen.final_resid)
+    if method != "connection":
+        scores = (
+            baselines.grad_x_input(frozen, target_)
+            if method == "grad_x_input"
+            else baselines.knockout(frozen, target_, clean)
+        )
+        return Attribution(
+            scores=scores,
+            bias=(clean - scores.sum(-1)).detach(),
+            target_value=clean.detach(),
+            tokens=tokens,
+            position=target_.position,
+            targets=tuple(target_.describe()),
+            method=method,
+        )
     result = connection(frozen, target_, clean)
     return Attribution(
         scores=result.scores,
