@@ -84,3 +84,26 @@ def test_grad_x_input_is_the_derivative_along_each_embedding(arch_):
     assert result.method == "grad_x_input"
     with pytest.raises(tl_connwalk.ConnWalkError, match="method='connection'"):
         result.edges(0)
+
+
+def test_rollout_by_hand():
+    """Abnar & Zuidema's rollout on a hand-worked case: one head, two tokens, two layers with
+    ``A = [[1, 0], [1/2, 1/2]]``: ``B = (A + I)/2 = [[1, 0], [1/4, 3/4]]``, and ``B B`` has
+    second row ``[1/4 + 3/4 * 1/4, 3/4 * 3/4] = [7/16, 9/16]``."""
+    from tl_connwalk.attribution.baselines import rollout
+
+    A = torch.tensor([[1.0, 0.0], [0.5, 0.5]], dtype=torch.float64)
+    result = rollout(A[None, None, None].expand(2, 1, 1, 2, 2))
+    expected = torch.tensor([[1.0, 0.0], [7 / 16, 9 / 16]], dtype=torch.float64)
+    torch.testing.assert_close(result[0], expected, rtol=0, atol=1e-15)
+
+
+def test_rollout_of_a_model(gpt2):
+    """Two layers: ``B_1 B_0`` from the cached patterns, read at the target position."""
+    toks = tokens()
+    result = tl_connwalk.attribute(gpt2, toks, position=4, method="rollout")
+    _, cache = gpt2.run_with_cache(toks)
+    eye = torch.eye(9)
+    B0, B1 = ((cache[f"blocks.{i}.attn.hook_pattern"].mean(1) + eye) / 2 for i in range(2))
+    torch.testing.assert_close(result.scores, (B1 @ B0)[:, 4])
+    torch.testing.assert_close(result.scores.sum(-1), torch.ones(2))

@@ -2,16 +2,17 @@
 
 from typing import Literal, get_args
 
+import torch
 from torch import Tensor, nn
 
 from tl_connwalk.adapters import adapter_for
 from tl_connwalk.attribution import baselines, targets
 from tl_connwalk.attribution.connection import connection
-from tl_connwalk.attribution.frozen import FrozenNetwork
+from tl_connwalk.attribution.frozen import FrozenNetwork, pattern_hooks
 from tl_connwalk.attribution.record import Attribution
 from tl_connwalk.errors import ConnWalkError
 
-Method = Literal["connection", "grad_x_input", "knockout"]
+Method = Literal["connection", "grad_x_input", "knockout", "rollout"]
 
 
 def _tokens(model: nn.Module, input: str | list[str] | Tensor) -> Tensor:
@@ -70,7 +71,9 @@ def attribute(
             `tl_connwalk.attribution.baselines`): ``"grad_x_input"`` (the real gradient times
             the embeddings) or ``"knockout"`` (ground truth by intervention: the target's drop
             when no other query may attend to the source, in any layer; one forward pass per
-            source). A baseline's ``bias`` is what it leaves unexplained.
+            source), or ``"rollout"`` (attention rollout: head-mean patterns with the
+            identity, multiplied over layers; a distribution over sources). A baseline's
+            ``bias`` is what it leaves unexplained.
 
     Returns:
         An `Attribution`: ``scores`` ``[batch, source]``, ``bias`` and ``target_value``
@@ -89,11 +92,14 @@ def attribute(
     target_ = targets.resolve(target, position, frozen.logits)
     clean = targets.clean_value(target_, frozen.logits, frozen.final_resid)
     if method != "connection":
-        scores = (
-            baselines.grad_x_input(frozen, target_)
-            if method == "grad_x_input"
-            else baselines.knockout(frozen, target_, clean)
-        )
+        if method == "grad_x_input":
+            scores = baselines.grad_x_input(frozen, target_)
+        elif method == "knockout":
+            scores = baselines.knockout(frozen, target_, clean)
+        else:
+            patterns = torch.stack([frozen.frozen[name] for name in pattern_hooks(model)])
+            rows = torch.arange(len(target_.position), device=patterns.device)
+            scores = baselines.rollout(patterns)[rows, target_.position].to(clean)
         return Attribution(
             scores=scores,
             bias=(clean - scores.sum(-1)).detach(),

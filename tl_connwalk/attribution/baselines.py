@@ -2,6 +2,9 @@
 
 - ``"grad_x_input"``: the real (unfrozen) gradient of the target with respect to each
   position's embeddings, dotted with them: ``s_s = (dy/de_s) . e_s``.
+- ``"rollout"`` (Abnar & Zuidema 2020): ``R = B_{L-1} ... B_0`` with ``B_l = (mean_h A^h_l +
+  I) / 2`` (rows still sum to 1); ``s_s = R[position, s]``, a distribution over sources that
+  ignores the target and what the values carry.
 - ``"knockout"``, ground truth by intervention: ``s_s = y - y_s`` where ``y_s`` is the target
   when no other query, in any layer, may attend to key ``s`` (its pre-softmax score, at
   ``attn.hook_attn_scores``, set to ``-inf``; position ``s`` still attends to itself). One
@@ -22,6 +25,23 @@ from tl_connwalk.attribution.frozen import FrozenNetwork, config, final_resid_ho
 
 #: sources knocked out per forward pass
 KNOCKOUT_CHUNK = 16
+
+
+def rollout(
+    patterns: Float[Tensor, "layer batch head query key"],
+) -> Float[Tensor, "batch query key"]:
+    """Attention rollout: the product of ``(mean_h A^h + I) / 2`` over layers, last on the left.
+
+    >>> A = torch.tensor([[1.0, 0.0], [0.5, 0.5]])[None, None, None].expand(2, 1, 1, 2, 2)
+    >>> rollout(A)[0]
+    tensor([[1.0000, 0.0000],
+            [0.4375, 0.5625]])
+    """
+    eye = torch.eye(patterns.shape[-1], dtype=patterns.dtype, device=patterns.device)
+    result = eye.expand(patterns.shape[1], -1, -1)
+    for layer in patterns:
+        result = ((layer.mean(1) + eye) / 2) @ result
+    return result
 
 
 def grad_x_input(frozen: FrozenNetwork, target: targets.Target) -> Float[Tensor, "batch source"]:

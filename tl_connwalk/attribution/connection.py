@@ -19,7 +19,12 @@ from torch import Tensor, nn
 
 from tl_connwalk.adapters.hooked_transformer import POST_NORM_ARCHITECTURES
 from tl_connwalk.attribution import targets
-from tl_connwalk.attribution.frozen import FrozenNetwork, config, final_resid_hook
+from tl_connwalk.attribution.frozen import (
+    FrozenNetwork,
+    config,
+    final_resid_hook,
+    pattern_hooks,
+)
 from tl_connwalk.errors import ConnWalkError
 
 #: relative tolerance of the completeness check, by dtype (sums over the whole network)
@@ -97,10 +102,7 @@ def connection(
         name: value.detach().clone().requires_grad_(True)
         for name, value in frozen.embeddings.items()
     }
-    patterns = {
-        f"blocks.{layer}.attn.hook_pattern": frozen.frozen[f"blocks.{layer}.attn.hook_pattern"]
-        for layer in range(_n_layers(frozen.model))
-    }
+    patterns = {name: frozen.frozen[name] for name in pattern_hooks(frozen.model)}
     pattern_leaves = {
         name: value.detach().clone().requires_grad_(True) for name, value in patterns.items()
     }

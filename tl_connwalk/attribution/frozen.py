@@ -223,6 +223,11 @@ def config(model: nn.Module) -> Any:
     return model.cfg
 
 
+def pattern_hooks(model: nn.Module) -> list[str]:
+    """The pattern hooks of every layer, first to last."""
+    return [f"blocks.{layer}.attn.hook_pattern" for layer in range(int(config(model).n_layers))]
+
+
 def final_resid_hook(model: nn.Module) -> str:
     """The hook holding the residual stream after the last block, before the final norm."""
     return f"blocks.{int(config(model).n_layers) - 1}.hook_resid_post"
