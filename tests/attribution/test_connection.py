@@ -157,3 +157,13 @@ def test_bad_model_and_input(gpt2):
         tl_connwalk.attribute(torch.nn.Linear(2, 2), tokens())
     with pytest.raises(tl_connwalk.ConnWalkError, match="integers"):
         tl_connwalk.attribute(gpt2, torch.randn(2, 9))
+
+
+@hooked_only
+def test_solu_ln_is_refused():
+    """SoLU's inner LayerNorm mixes neurons: there is no per-neuron gain to freeze."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    model = HookedTransformer(HookedTransformerConfig(**{**BASE, "act_fn": "solu_ln"}))
+    with pytest.raises(tl_connwalk.ConnWalkError, match="no per-neuron gain"):
+        tl_connwalk.attribute(model, tokens())

@@ -37,7 +37,6 @@ class Connection:
 
     scores: Float[Tensor, "batch source"]
     bias: Float[Tensor, " batch"]
-    frozen_value: Float[Tensor, " batch"]
     edges: Float[Tensor, "layer batch head query key"]
     components: Callable[[], tuple[list[str], Tensor]]
 
@@ -128,7 +127,6 @@ def connection(
     return Connection(
         scores.detach(),
         bias,
-        y.detach(),
         edges,
         lambda: components(frozen, target, cap_gain),
     )

@@ -71,14 +71,12 @@ def _is_frozen_in_place(name: str) -> bool:
 
 def _unsupported(names: list[str]) -> None:
     """A ConnWalkError for nonlinearities the frozen network cannot hold as gains."""
-    mids = [name for name in names if name.endswith("mlp.hook_mid")]
-    experts = [name for name in names if "experts" in name or "hook_expert" in name]
-    if mids or experts:
+    found = [name for name in names if name.endswith("mlp.hook_mid") or "hook_expert" in name]
+    if found:
         raise ConnWalkError(
-            f"this model has {'a normalised MLP activation (SoLU-LN: ' if mids else 'a mixture '}"
-            f"{'of experts (' if experts else ''}{(mids or experts)[0]}), which attribution "
-            "cannot freeze into per-neuron gains (spec §6); choose a model with plain or gated "
-            "MLPs."
+            f"{found[0]}: this model's MLP (SoLU with its inner LayerNorm, or a mixture of "
+            "experts) has no per-neuron gain for attribution to freeze (spec §6); choose a "
+            "model with plain or gated MLPs."
         )
 
 

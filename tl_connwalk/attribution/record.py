@@ -20,7 +20,7 @@ class Attribution:
     F(no embeddings)``, ``bias[b] = F(no embeddings)``, and
     ``scores.sum(-1) + bias == target_value``. Other methods fill ``scores`` by their own
     definition; their ``bias`` is what the method leaves unexplained, ``target_value -
-    scores.sum(-1)`` (zero for methods that produce no target scale).
+    scores.sum(-1)``.
 
     Attributes:
         scores: ``[batch, source]`` each source position's contribution.
