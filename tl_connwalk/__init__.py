@@ -13,6 +13,8 @@ from types import ModuleType
 
 from tl_connwalk.analysis import geometry_table as geometry_table
 from tl_connwalk.analysis import layer_drift as layer_drift
+from tl_connwalk.attribution import Attribution as Attribution
+from tl_connwalk.attribution import attribute as attribute
 from tl_connwalk.cache import connection_walk as connection_walk
 from tl_connwalk.cache import laplacian_residual as laplacian_residual
 from tl_connwalk.cache import required_hooks as required_hooks
@@ -46,6 +48,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "Attribution",
     "ConnWalkError",
     "ConnectionGenerator",
     "ConnectionWalk",
@@ -53,6 +56,7 @@ __all__ = [
     "LaplacianResidual",
     "analyze",
     "attach",
+    "attribute",
     "connection_walk",
     "detach",
     "geometry_table",

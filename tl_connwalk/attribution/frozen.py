@@ -1,0 +1,231 @@
+"""The frozen network ``F`` of an attribution: the model with its nonlinear gains fixed (spec §6).
+
+Freezing happens at the clean run, through TransformerLens hook points, so the same code serves
+every model class whose hook names follow TransformerLens (``HookedTransformer``,
+``HookedEncoder``, ``TransformerBridge``):
+
+- every attention pattern ``blocks.{l}.attn.hook_pattern`` is replaced by its clean value;
+- every normalisation scale ``*.hook_scale`` (the denominator of LayerNorm/RMSNorm) likewise;
+  centring, the weight and the bias stay, they are affine;
+- an MLP activation ``act(z)`` (``mlp.hook_post``) becomes ``(act(z*)/z*) z`` for the clean
+  pre-activation ``z*`` (``mlp.hook_pre``; the gain is 0 where ``z* = 0``); in a gated MLP the
+  gate ``mlp.hook_pre`` is pinned to its clean value, so ``act(gate*)`` multiplies the live
+  linear branch and ``b_in`` is added after, as the model does.
+
+``F`` is then affine in the input embeddings (``hook_embed``, ``hook_pos_embed``, and in BERT
+encoders ``embed.hook_embed``, ``embed.hook_pos_embed``, ``embed.hook_token_type_embed``) and,
+fed the clean embeddings, reproduces the clean run.
+"""
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from jaxtyping import Int
+from torch import Tensor, nn
+
+from tl_connwalk.errors import ConnWalkError
+
+#: the hook points whose outputs are the input embeddings, wherever a model class has them
+EMBEDDING_HOOKS = (
+    "hook_embed",
+    "hook_pos_embed",
+    "embed.hook_embed",
+    "embed.hook_pos_embed",
+    "embed.hook_token_type_embed",
+)
+
+#: activation modules outside any hook point (a BERT MLM head's dense -> act -> LayerNorm)
+HEAD_ACTIVATIONS = ("mlm_head.act_fn",)
+
+HookFn = Callable[..., Tensor | None]
+
+
+def _head_activations(model: nn.Module) -> dict[str, nn.Module]:
+    found = {}
+    for path in HEAD_ACTIVATIONS:
+        module: Any = model
+        for part in path.split("."):
+            module = getattr(module, part, None)
+        if isinstance(module, nn.Module):
+            found[path] = module
+    return found
+
+
+@contextmanager
+def _module_hooks(hooks: Mapping[nn.Module, Callable[..., Any]]) -> Iterator[None]:
+    handles = [module.register_forward_hook(hook) for module, hook in hooks.items()]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _is_frozen_in_place(name: str) -> bool:
+    return name.endswith(("attn.hook_pattern", "hook_scale"))
+
+
+def _unsupported(names: list[str]) -> None:
+    """A ConnWalkError for nonlinearities the frozen network cannot hold as gains."""
+    found = [name for name in names if name.endswith("mlp.hook_mid") or "hook_expert" in name]
+    if found:
+        raise ConnWalkError(
+            f"{found[0]}: this model's MLP (SoLU with its inner LayerNorm, or a mixture of "
+            "experts) has no per-neuron gain for attribution to freeze (spec §6); choose a "
+            "model with plain or gated MLPs."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenNetwork:
+    """A model with every nonlinear gain fixed at a clean run (spec §6).
+
+    Attributes:
+        model: the TransformerLens model.
+        tokens: ``[batch, pos]`` the clean run's tokens.
+        frozen: hook name -> clean value to put back (patterns, scales, gated MLPs' gates).
+        gains: ``mlp.hook_post`` name -> ``(mlp.hook_pre name, act(z*)/z*)``.
+        head_gains: activation module path (`HEAD_ACTIVATIONS`) -> ``act(z*)/z*``.
+        embeddings: embedding hook name -> clean value ``[batch, pos, d_model]``.
+        logits: the clean run's logits ``[batch, pos, d_vocab]``.
+        final_resid: the clean residual after the last block ``[batch, pos, d_model]``.
+    """
+
+    model: nn.Module
+    tokens: Int[Tensor, "batch pos"]
+    frozen: Mapping[str, Tensor]
+    gains: Mapping[str, tuple[str, Tensor]]
+    head_gains: Mapping[str, Tensor]
+    embeddings: Mapping[str, Tensor]
+    logits: Tensor
+    final_resid: Tensor
+
+    @classmethod
+    def from_clean_run(cls, model: nn.Module, tokens: Int[Tensor, "batch pos"]) -> "FrozenNetwork":
+        """Run ``model`` on ``tokens`` once with a cache and freeze it there."""
+        hook_dict: Mapping[str, Any] = model.hook_dict  # type: ignore[assignment]
+        names = list(hook_dict)
+        _unsupported(names)
+        gated = {name.removesuffix("_linear") for name in names if name.endswith("hook_pre_linear")}
+        wanted = {
+            name
+            for name in names
+            if _is_frozen_in_place(name)
+            or name.endswith(("mlp.hook_pre", "mlp.hook_post"))
+            or name in EMBEDDING_HOOKS
+        }
+        final = final_resid_hook(model)
+        heads = _head_activations(model)
+        seen: dict[str, tuple[Tensor, Tensor]] = {}
+        taps = {
+            module: lambda module, args, out, path=path: seen.__setitem__(path, (args[0], out))
+            for path, module in heads.items()
+        }
+        with torch.no_grad(), _module_hooks(taps):
+            logits, cache = model.run_with_cache(  # type: ignore[operator]
+                tokens, names_filter=lambda name: name in wanted or name == final
+            )
+        head_gains = {path: _gain(*seen[path]) for path in seen}
+        frozen = {name: cache[name] for name in cache if _is_frozen_in_place(name)}
+        frozen |= {name: cache[name] for name in gated if name in cache}
+        gains = {}
+        for name in cache:
+            pre = name.removesuffix("post") + "pre"
+            if name.endswith("mlp.hook_post") and pre not in gated and pre in cache:
+                z, post = cache[pre], cache[name]
+                gains[name] = (pre, _gain(z, post))
+        embeddings = {name: cache[name] for name in EMBEDDING_HOOKS if name in cache}
+        if not embeddings:
+            raise ConnWalkError(
+                f"{type(model).__name__} fired none of the embedding hooks {EMBEDDING_HOOKS}; "
+                "attribution splits the output over them (spec §6)."
+            )
+        return cls(model, tokens, frozen, gains, head_gains, embeddings, logits, cache[final])
+
+    def hooks(
+        self,
+        embeddings: Mapping[str, Tensor],
+        taps: Mapping[str, Callable[[Tensor], None]],
+        overrides: Mapping[str, Tensor] | None = None,
+    ) -> list[tuple[str, HookFn]]:
+        """The forward hooks that make ``model`` compute ``F`` of ``embeddings``.
+
+        ``taps``: hook name -> a function that is shown the live activation (to read it).
+        ``overrides``: frozen values to use instead (the same values as leaves of a graph).
+        """
+        hooks: list[tuple[str, HookFn]] = []
+        live: dict[str, Tensor] = {}
+
+        def constant(value: Tensor) -> HookFn:
+            return lambda activation, hook: value.to(activation.dtype)
+
+        def remember(pre: str) -> HookFn:
+            # keyed by the name asked for: a Bridge reports its aliases' canonical names
+            return lambda activation, hook: live.__setitem__(pre, activation)
+
+        def gain(pre: str, value: Tensor) -> HookFn:
+            return lambda activation, hook: value * live.pop(pre)
+
+        for name, value in {**self.frozen, **(overrides or {}), **embeddings}.items():
+            hooks.append((name, constant(value)))
+        for name, (pre, value) in self.gains.items():
+            hooks += [(pre, remember(pre)), (name, gain(pre, value))]
+        for name, tap in taps.items():
+            hooks.append((name, lambda activation, hook, tap=tap: tap(activation)))
+        return hooks
+
+    @contextmanager
+    def unembedding_input(self) -> Iterator[list[Tensor]]:
+        """Collects what the unembedding reads (the normalised final residual) in a list."""
+        seen: list[Tensor] = []
+        unembed: nn.Module = self.model.unembed  # type: ignore[assignment]
+        handle = unembed.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+        try:
+            yield seen
+        finally:
+            handle.remove()
+
+    def run(
+        self,
+        embeddings: Mapping[str, Tensor],
+        taps: Mapping[str, Callable[[Tensor], None]],
+        overrides: Mapping[str, Tensor] | None = None,
+    ) -> Tensor:
+        """``F`` at ``embeddings`` (hook name -> ``[batch, pos, d_model]``); the logits."""
+        hooks = self.hooks(embeddings, taps, overrides)
+        heads = _head_activations(self.model)
+        frozen_heads = {
+            heads[path]: lambda module, args, out, gain=gain: gain * args[0]
+            for path, gain in self.head_gains.items()
+        }
+        with warnings.catch_warnings(), _module_hooks(frozen_heads):
+            # a Bridge's native-norm path warns that an edited hook_scale changes its rounding
+            warnings.filterwarnings("ignore", message=".*edited hook_scale")
+            logits: Tensor = self.model.run_with_hooks(  # type: ignore[operator]
+                self.tokens, fwd_hooks=hooks
+            )
+        return logits
+
+
+def _gain(z: Tensor, activation: Tensor) -> Tensor:
+    """``act(z)/z``, 0 where ``z = 0`` (any gain reproduces ``act(0) = 0`` there)."""
+    return torch.where(z == 0, torch.zeros_like(z), activation / z)
+
+
+def config(model: nn.Module) -> Any:
+    """The model's TransformerLens config (``cfg``)."""
+    return model.cfg
+
+
+def pattern_hooks(model: nn.Module) -> list[str]:
+    """The pattern hooks of every layer, first to last."""
+    return [f"blocks.{layer}.attn.hook_pattern" for layer in range(int(config(model).n_layers))]
+
+
+def final_resid_hook(model: nn.Module) -> str:
+    """The hook holding the residual stream after the last block, before the final norm."""
+    return f"blocks.{int(config(model).n_layers) - 1}.hook_resid_post"

@@ -1,0 +1,135 @@
+"""``Attribution``: the record `tl_connwalk.attribute` returns, the same for every method."""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from tl_connwalk.errors import ConnWalkError
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Attribution:
+    """How much each source token contributed to one target per sequence (spec §6).
+
+    For ``method="connection"`` the split is exact for the frozen network ``F`` (patterns,
+    normalisation scales and MLP gains fixed at the clean run): ``scores[b, s] = F(only e_s) -
+    F(no embeddings)``, ``bias[b] = F(no embeddings)``, and
+    ``scores.sum(-1) + bias == target_value``. Other methods fill ``scores`` by their own
+    definition; their ``bias`` is what the method leaves unexplained, ``target_value -
+    scores.sum(-1)``.
+
+    Attributes:
+        scores: ``[batch, source]`` each source position's contribution.
+        bias: ``[batch]`` what no source sent.
+        target_value: ``[batch]`` the target in the clean run (the model's own output).
+        tokens: ``[batch, source]`` the input tokens.
+        position: ``[batch]`` the position the target was read at.
+        targets: one label per sequence, e.g. ``logit[17] @ 8``.
+        method: the method that made the scores.
+
+    Examples:
+        >>> result = tl_connwalk.attribute(model, tokens)
+        >>> result.scores.shape
+        torch.Size([2, 8])
+        >>> torch.testing.assert_close(result.scores.sum(-1) + result.bias, result.target_value)
+    """
+
+    scores: Float[Tensor, "batch source"]
+    bias: Float[Tensor, " batch"]
+    target_value: Float[Tensor, " batch"]
+    tokens: Int[Tensor, "batch source"]
+    position: Int[Tensor, " batch"]
+    targets: tuple[str, ...]
+    method: str
+    _components: Callable[[], tuple[list[str], Tensor]] | None = dataclasses.field(
+        default=None, compare=False
+    )
+    _edges: Tensor | None = dataclasses.field(default=None, compare=False)
+
+    def __repr__(self) -> str:
+        batch, n_pos = self.scores.shape
+        return (
+            f"Attribution(method={self.method!r}, batch={batch}, sources={n_pos}, "
+            f"targets={list(self.targets)})"
+        )
+
+    def _only(self, what: str) -> None:
+        if self.method != "connection":
+            raise ConnWalkError(
+                f"{what} is defined for method='connection' (the frozen network, spec §6); this "
+                f"attribution was made with method={self.method!r}."
+            )
+
+    def by_component(self) -> Float[Tensor, "batch component source"]:
+        """``[batch, component, source]``: the direct path of each component, by source.
+
+        Components, in order (`component_names`): ``embed`` (the embeddings' own direct
+        path), then per layer ``L{l}H{h}`` for each head and ``L{l}MLP``. Entry ``[b, k, s]``
+        is ``g . o_k,s``: the part of component ``k``'s output at the target position that
+        source ``s`` sent (through the frozen network ``F``), read along ``g``, the frozen
+        gradient of the target at the final residual. Summed over components it is
+        ``scores``.
+
+        >>> result = tl_connwalk.attribute(model, tokens)
+        >>> parts = result.by_component()
+        >>> torch.testing.assert_close(parts.sum(1), result.scores)
+        """
+        return self._component_parts()[1]
+
+    def component_names(self) -> list[str]:
+        """The names of `by_component`'s components, e.g. ``["embed", "L0H0", ...]``."""
+        return self._component_parts()[0]
+
+    def _component_parts(self) -> tuple[list[str], Tensor]:
+        self._only("by_component")
+        assert self._components is not None
+        return self._components()
+
+    def edges(self, layer: int) -> Float[Tensor, "batch head query key"]:
+        """``[batch, head, query, key]``: the share of the target each edge of ``layer`` carries.
+
+        ``e^{l,h}_ij = g_i . A^h_ij (v^h_j W_O^h)`` (spec §6) with ``g_i`` the frozen network's
+        gradient of the target at layer ``l``'s attention output and ``v^h_j`` the value
+        vector with its bias (grouped-query heads expanded). Summed over heads, queries and
+        keys it is the target minus what ``F`` gives with that layer's heads silenced.
+
+        >>> result = tl_connwalk.attribute(model, tokens)
+        >>> result.edges(0).shape
+        torch.Size([2, 4, 8, 8])
+        """
+        self._only("edges")
+        assert self._edges is not None
+        n_layers = self._edges.shape[0]
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise ConnWalkError(f"layer must be an int, got {type(layer).__name__}.")
+        if not -n_layers <= layer < n_layers:
+            raise ConnWalkError(f"layer {layer} is out of range for {n_layers} layers.")
+        return self._edges[layer]
+
+    def to_dataframe(self) -> Any:
+        """A pandas DataFrame, one row per (sequence, source): ``batch``, ``source``,
+        ``token``, ``score``, ``target``, ``target_value``, ``bias``, ``method``.
+
+        >>> tl_connwalk.attribute(model, tokens).to_dataframe().shape
+        (16, 8)
+        """
+        import pandas as pd
+
+        batch, n_pos = self.scores.shape
+        rows = torch.arange(batch).repeat_interleave(n_pos)
+        return pd.DataFrame(
+            {
+                "batch": rows.numpy(),
+                "source": torch.arange(n_pos).repeat(batch).numpy(),
+                "token": self.tokens.reshape(-1).cpu().numpy(),
+                "score": self.scores.detach().reshape(-1).cpu().double().numpy(),
+                "target": [self.targets[b] for b in rows.tolist()],
+                "target_value": self.target_value.detach().cpu().double()[rows].numpy(),
+                "bias": self.bias.detach().cpu().double()[rows].numpy(),
+                "method": self.method,
+            }
+        )
