@@ -246,6 +246,10 @@ def positions_of(
     walk: Float[Tensor, "batch query key"], attention_mask: Tensor | None
 ) -> Bool[Tensor, "batch pos"] | None:
     """The real positions: `checked_mask` of a given ``attention_mask``, else `detect_padding`."""
+    if walk.is_meta:  # an offloaded layer holds no values to read padding from
+        if attention_mask is None:
+            return None
+        return (attention_mask != 0).to(walk.device)
     if attention_mask is None:
         return detect_padding(walk)
     return checked_mask(walk, attention_mask)

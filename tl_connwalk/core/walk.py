@@ -242,7 +242,7 @@ class EffectiveTransport:
     def __getitem__(self, edge: tuple[int, int]) -> FactoredMatrix:
         query, key = edge
         transport = edge_transport(self.gates[:, :, query, key], self.W_V, self.W_O)
-        if self.edges is None:
+        if self.edges is None or self.edges.is_meta:  # meta tensors hold no values to check
             return transport
         present = self.edges[:, query, key]
         if not bool(present.any()):
