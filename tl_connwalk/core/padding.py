@@ -27,8 +27,9 @@ from tl_connwalk.errors import ConnWalkError
 
 #: An edge mask: ``[batch, query, key]`` booleans, or a function of the query and key token
 #: positions (``[batch, query, 1]`` and ``[batch, 1, key]``, counted from each sequence's
-#: first real token) returning booleans that broadcast to ``[batch, query, key]``.
-EdgeMask = Bool[Tensor, "batch query key"] | Callable[[Tensor, Tensor], Tensor]
+#: first real token) returning booleans that broadcast to ``[batch, query, key]``. Annotated
+#: as a plain tensor so that runtime type checkers leave the check to `resolve_edges`.
+EdgeMask = Tensor | Callable[[Tensor, Tensor], Tensor]
 
 
 def detect_padding(walk: Float[Tensor, "batch query key"]) -> Bool[Tensor, "batch pos"] | None:
