@@ -224,7 +224,7 @@ def scope(
     ...                    torch.Size([1, 3, 3]), torch.device("cpu"))
     >>> mask[0].int(), flag
     (tensor([[0, 0, 0],
-            [0, 0, 0],
+            [0, 0, 1],
             [0, 0, 1]], dtype=torch.int32), False)
     """
     mask = None if positions is None else real_edges(positions.to(device))
