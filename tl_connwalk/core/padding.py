@@ -50,17 +50,14 @@ def detect_padding(walk: Float[Tensor, "batch query key"]) -> Bool[Tensor, "batc
     n_pos = walk.shape[-1]
     present = walk > 0
     index = torch.arange(n_pos, device=walk.device)
-    # the last query that attends to each key (-1: none); a prefix 0..p-1 is left padding when
-    # none of its keys is attended to from p on
-    last_query = reduce(
-        torch.where(present, index[None, :, None], -1), "batch query key -> batch key", "max"
-    )
+    # the last query that attends to each key and the last key each query attends to (-1:
+    # none), from the first True of the flipped axis: no [batch, n, n] integer tensor
+    last_query = _last_true(present, 1)
+    last_key = _last_true(present, 2)
+    # a prefix 0..p-1 is left padding when none of its keys is attended to from p on, and
+    # each of its queries attends nowhere or past it (a uniform row): a prefix whose queries
+    # attend only among themselves is a closed block of tokens, not padding
     reach = last_query.cummax(dim=-1).values  # [b, p-1]: the latest query into keys 0..p-1
-    # and each padding query attends nowhere, or past the padding (a uniform row): a prefix
-    # whose queries attend only among themselves is a closed block of tokens, not padding
-    last_key = reduce(
-        torch.where(present, index[None, None, :], -1), "batch query key -> batch query", "max"
-    )
     nearest = torch.where(last_key < 0, n_pos, last_key).cummin(dim=-1).values
     prefix_ok = (reach <= index[None, :]) & (nearest > index[None, :])
     prefix_ok[:, -1] = False  # not every position
@@ -86,6 +83,13 @@ def detect_padding(walk: Float[Tensor, "batch query key"]) -> Bool[Tensor, "batc
             "every position is a real token)."
         )
     return None if bool(real.all()) else real
+
+
+def _last_true(present: Tensor, axis: int) -> Tensor:
+    """Per line of ``present`` along ``axis`` (1: queries, 2: keys), the last True index or -1."""
+    n_pos = present.shape[axis]
+    first_from_end = present.flip(axis).to(torch.uint8).argmax(axis)
+    return torch.where(present.any(axis), n_pos - 1 - first_from_end, -1)
 
 
 def checked_mask(
