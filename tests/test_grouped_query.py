@@ -39,6 +39,17 @@ def check_exact_partial_isometry(cache, n_heads, n_value, dtype):
     assert (res.baseline["transport_defect"].mean > 10 * tol).all()  # random draws are not
     multiple = 2 * n_heads / n_value
     torch.testing.assert_close(res.scale, torch.full_like(res.scale, multiple))
+    # a head subset: its transports factor through the value heads it reads (spec §3), here
+    # the first head alone (1 value head) and the first and last (2 value heads, one each)
+    for heads in ([0], [0, n_heads - 1]):
+        sub = walk.of_heads(heads)
+        distinct = len({walk.kv_heads[h] for h in heads})
+        assert sub.n_value_heads == distinct
+        scoped = walk.laplacian_residual(heads=heads, baseline_draws=2)
+        assert scoped.transport_defect.abs().max() < tol, heads
+        expected = 2 * len(heads) / distinct
+        torch.testing.assert_close(scoped.scale, torch.full_like(scoped.scale, expected))
+        assert sub.isometry_defects("frobenius")[sub.walk > 0].abs().max() < tol, heads
     # the rank H d_head of weights whose sharing is not declared: sqrt(1 - H_kv / H) here
     d_model, d_head = walk.W_V.shape[1:]
     unmapped = isometry.effective_transport_defect(walk.walk, walk.gates, walk.W_V, walk.W_O)

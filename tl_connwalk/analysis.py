@@ -5,7 +5,7 @@ Each function reads one cache and walks its layers with a progress bar; the per-
 """
 
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import pandas as pd
 import torch
@@ -15,36 +15,75 @@ from tqdm.auto import tqdm
 from transformer_lens import ActivationCache
 
 from tl_connwalk.cache import connection_walk, n_layers_of, walk_matrix
-from tl_connwalk.core import markov
+from tl_connwalk.core import markov, padding
+from tl_connwalk.core.walk import check_heads
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.residual import LaplacianResidual
 from tl_connwalk.walk import ConnectionWalk
 
 
 def layer_drift(
-    cache: ActivationCache, *, exclude_sink: bool = False
+    cache: ActivationCache,
+    *,
+    exclude_sink: bool = False,
+    attention_mask: Tensor | None = None,
+    edges: padding.EdgeMask | None = None,
+    heads: Sequence[int] | None = None,
 ) -> Float[Tensor, "batch transition"]:
     """``(1/n) sum_i TV(W^l_i., W^{l+1}_i.)`` for every pair of consecutive layers (spec §3).
 
     ``[batch, n_layers - 1]``; column ``l`` compares layer ``l`` with ``l + 1``. With
-    ``exclude_sink`` the first key is removed and rows renormalised before comparing. Reads
-    only the patterns (`tl_connwalk.cache.walk_matrix`) and holds two layers' walks
-    (``2 batch n^2`` numbers) at a time.
+    ``exclude_sink`` each sequence's first real key is removed and rows renormalised before
+    comparing. Reads only the patterns (`tl_connwalk.cache.walk_matrix`) and holds two
+    layers' walks (``2 batch n^2`` numbers) at a time.
+
+    A padded batch (``attention_mask`` ``[batch, pos]``, or padding read off the patterns as
+    in `tl_connwalk.cache.connection_walk`) compares only the rows and keys of real tokens,
+    so each sequence's drift is its drift alone. ``edges`` (an edge mask as in
+    `tl_connwalk.residual.laplacian_residual`) compares only those edges, rows renormalised
+    over them; ``heads`` compares the walks of those heads alone (the same heads in every
+    layer).
 
     >>> tl_connwalk.layer_drift(cache).shape  # two layers: one transition
     torch.Size([2, 1])
     """
     n_layers = n_layers_of(cache)
     # a generator: pairwise holds two layers' walks at a time, never all of them
-    walks = (walk_matrix(cache, layer) for layer in range(n_layers))
+    walks = (
+        _padded(walk_matrix(cache, layer, heads=heads), layer, attention_mask)
+        for layer in range(n_layers)
+    )
     drifts = [
-        markov.layer_drift(before, after, exclude_sink=exclude_sink)
-        for before, after in itertools.pairwise(walks)
+        _drift(before, after, exclude_sink, edges) for before, after in itertools.pairwise(walks)
     ]
     if not drifts:
         first = walk_matrix(cache, 0)
         return torch.zeros(first.shape[0], 0, dtype=first.dtype, device=first.device)
     return torch.stack([d.to(drifts[0].device) for d in drifts], dim=-1)
+
+
+_Padded = tuple[Tensor, Tensor | None, int]
+
+
+def _padded(walk: Tensor, layer: int, attention_mask: Tensor | None) -> _Padded:
+    """A layer's walk with its real positions (`padding.positions_of`) and its index."""
+    return walk, padding.positions_of(walk, attention_mask), layer
+
+
+def _drift(
+    before: _Padded, after: _Padded, exclude_sink: bool, edges: padding.EdgeMask | None
+) -> Tensor:
+    """`markov.layer_drift` of two consecutive layers over the edges both keep."""
+    (walk_a, real_a, layer_a), (walk_b, real_b, layer_b) = before, after
+    if (real_a is None) != (real_b is None) or (
+        real_a is not None and real_b is not None and not torch.equal(real_a, real_b.to(real_a))
+    ):
+        raise ConnWalkError(
+            f"layers {layer_a} and {layer_b} disagree on which positions are padding (read "
+            "off their patterns): pass the attention_mask the model ran with."
+        )
+    mask, drop_sink = padding.scope(real_a, edges, exclude_sink, walk_a.shape, walk_a.device)
+    return markov.layer_drift(walk_a, walk_b, exclude_sink=drop_sink, edges=mask)
 
 
 def geometry_table(
@@ -56,6 +95,9 @@ def geometry_table(
     seed: int = 0,
     progress: bool = True,
     residuals: Mapping[int, LaplacianResidual] | None = None,
+    attention_mask: Tensor | None = None,
+    edges: padding.EdgeMask | None = None,
+    heads: Sequence[int] | None = None,
 ) -> pd.DataFrame:
     """One tidy table of a cache's connection-walk geometry, averaged over the batch.
 
@@ -66,7 +108,14 @@ def geometry_table(
     ``drift_to_next`` (layer drift to the next layer; needs that layer's hooks too), and for
     each defect its random baseline ``<name>_baseline`` and ``<name>_baseline_std``. Values
     are batch means. ``residuals`` (layer -> `LaplacianResidual` of this cache, with the
-    same ``exclude_sink``) reuses residuals already computed instead of measuring again.
+    same ``exclude_sink``, ``edges`` and ``heads``) reuses residuals already computed instead
+    of measuring again.
+
+    ``attention_mask`` ``[batch, pos]`` marks the padding of a padded batch (else it is read
+    off the cache, `tl_connwalk.cache.connection_walk`): each sequence counts as if it ran
+    alone. ``edges`` (an edge mask, see `tl_connwalk.residual.laplacian_residual`) and
+    ``heads`` (the walk of those heads alone, the same heads in every layer; the ``head``
+    rows are those heads) scope every walk-weighted column and the drift.
 
     >>> table = tl_connwalk.geometry_table(cache, progress=False)
     >>> table[table["head"] == "all"][["layer", "transport_defect", "transport_defect_baseline"]]
@@ -77,11 +126,16 @@ def geometry_table(
     chosen = list(range(n_layers)) if layers is None else [layer % n_layers for layer in layers]
     rows = []
     walks: dict[int, ConnectionWalk] = {}
+    names: dict[int, tuple[int, ...]] = {}  # the heads measured, per layer
 
     def walk_of(layer: int) -> ConnectionWalk:
         # consecutive layers share walks (drift to the next); build each one once
         if layer not in walks:
-            walks[layer] = connection_walk(cache, layer)
+            walk = connection_walk(cache, layer, attention_mask=attention_mask)
+            if heads is not None:
+                names[layer] = check_heads(heads, walk.n_heads)
+                walk = walk.of_heads(heads)
+            walks[layer] = walk
         return walks[layer]
 
     for layer in tqdm(chosen, desc="geometry", disable=not progress):
@@ -89,20 +143,29 @@ def geometry_table(
         walks.pop(layer - 1, None)  # no longer needed: keep memory at two layers
         if residuals is not None and layer in residuals:
             res = residuals[layer]
-            if res.exclude_sink != exclude_sink:
+            if res.exclude_sink != exclude_sink or res.edges_masked != (edges is not None):
                 raise ConnWalkError(
-                    f"residuals[{layer}] has exclude_sink={res.exclude_sink}, the table "
-                    f"exclude_sink={exclude_sink}: pass residuals measured the same way."
+                    f"residuals[{layer}] has exclude_sink={res.exclude_sink} and "
+                    f"{'an' if res.edges_masked else 'no'} edge mask, the table "
+                    f"exclude_sink={exclude_sink} and {'an' if edges is not None else 'no'} "
+                    "edge mask: pass residuals measured the same way."
                 )
         else:
             res = walk.laplacian_residual(
-                exclude_sink=exclude_sink, baseline_draws=baseline_draws, seed=seed
+                exclude_sink=exclude_sink, edges=edges, baseline_draws=baseline_draws, seed=seed
             )
         drift = float("nan")
         if layer + 1 < n_layers:
-            following = walk_of(layer + 1).walk
+            following = walk_of(layer + 1)
             drift = (
-                markov.layer_drift(walk.walk, following, exclude_sink=exclude_sink).mean().item()
+                _drift(
+                    (walk.walk, walk.attention_mask, layer),
+                    (following.walk, following.attention_mask, layer + 1),
+                    exclude_sink,
+                    edges,
+                )
+                .mean()
+                .item()
             )
         base = res.baseline
         shared = {
@@ -130,15 +193,15 @@ def geometry_table(
             }
         )
         head_field = res.head_field_defects.mean(0)
-        for head in range(res.head_defects.shape[0]):
+        for index, head in enumerate(names.get(layer, range(res.head_defects.shape[0]))):
             rows.append(
                 shared
                 | {
                     "head": head,
-                    "head_defect": res.head_defects[head].item(),
-                    "head_defect_baseline": base["head_defects"].mean[head].item(),
-                    "head_defect_baseline_std": base["head_defects"].std[head].item(),
-                    "field_defect": head_field[head].item(),
+                    "head_defect": res.head_defects[index].item(),
+                    "head_defect_baseline": base["head_defects"].mean[index].item(),
+                    "head_defect_baseline_std": base["head_defects"].std[index].item(),
+                    "field_defect": head_field[index].item(),
                 }
             )
     return pd.DataFrame(rows)

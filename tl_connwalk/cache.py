@@ -6,9 +6,10 @@ methods; `tl_connwalk.attach` also registers them as cache methods
 plain ``ActivationCache`` objects TransformerLens builds internally (``apply_slice_to_batch_dim``).
 """
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
+import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens import ActivationCache
@@ -68,7 +69,11 @@ def n_layers_of_model(model: nn.Module) -> int:
 
 
 def connection_walk(
-    cache: ActivationCache, layer: int, model: nn.Module | None = None
+    cache: ActivationCache,
+    layer: int,
+    model: nn.Module | None = None,
+    *,
+    attention_mask: Tensor | None = None,
 ) -> ConnectionWalk:
     """Layer ``layer``'s attention as a connection walk, for the whole batch (spec §1.2).
 
@@ -80,10 +85,21 @@ def connection_walk(
     the layer's cache entries are on different devices, or its weights are offloaded (``meta``).
     A cache made with ``remove_batch_dim=True`` gives a walk with a batch of one.
 
+    Padded batches: the walk marks its padding (``walk.attention_mask``, see
+    `ConnectionWalk.with_padding`) and every measurement of a sequence equals that of the
+    sequence run alone. Padding is read off the cache (keys no real query attends to) or
+    taken from ``attention_mask``. TransformerLens runs right-padded text batches of a
+    ``HookedTransformer`` without a mask (a causal model's real tokens never see the pads,
+    but the pads then look like tokens): pass the mask, e.g.
+    ``transformer_lens.utils.get_attention_mask(model.tokenizer, tokens, prepend_bos)``,
+    to ``run_with_cache`` and here.
+
     Args:
         cache: from ``model.run_with_cache``; must hold `required_hooks` for the layer.
         layer: attention layer index; negative counts from the end.
         model: the model the cache came from; defaults to ``cache.model``.
+        attention_mask: ``[batch, pos]``, 1 on real tokens and 0 on padding: the mask the
+            model ran with; checked against the cache. ``None``: padding is detected.
 
     Examples:
         >>> _, cache = model.run_with_cache(tokens)
@@ -92,23 +108,31 @@ def connection_walk(
         torch.Size([2, 8, 8])
     """
     model, adapter, layer = _checked(cache, layer, model)
-    return adapter.walk_from_cache(cache, model, layer)
+    return adapter.walk_from_cache(cache, model, layer).with_padding(attention_mask)
 
 
 def walk_matrix(
-    cache: ActivationCache, layer: int, model: nn.Module | None = None
+    cache: ActivationCache,
+    layer: int,
+    model: nn.Module | None = None,
+    *,
+    heads: Sequence[int] | None = None,
 ) -> Float[Tensor, "batch query key"]:
     """Layer ``layer``'s walk ``W = (1/H) sum_h A^h`` alone, from its patterns (spec §1.2).
 
     ``connection_walk(cache, layer).walk`` without the gates, field and weights: the cache
     needs only ``blocks.{layer}.attn.hook_pattern``, and the working memory is the walk
     itself. Float32 or wider, on the pattern's device; the checks of `connection_walk`.
+    ``heads``: the walk of those heads alone, ``(1/|S|) sum_{h in S} A^h``.
 
     >>> tl_connwalk.walk_matrix(cache, 0).shape  # [batch, query, key]
     torch.Size([2, 8, 8])
     """
     model, adapter, layer = _checked(cache, layer, model, patterns_only=True)
     pattern = adapter.pattern_from_cache(cache, model, layer)
+    if heads is not None:
+        chosen = core_walk.check_heads(heads, pattern.shape[1])
+        pattern = pattern[:, torch.tensor(chosen, device=pattern.device)]
     return core_walk.walk_matrix(pattern.to(working_dtype(pattern)))
 
 
@@ -147,13 +171,20 @@ def _attention_weights(model: nn.Module, layer: int) -> list[tuple[str, Tensor]]
 
 
 def laplacian_residual(
-    cache: ActivationCache, layer: int, model: nn.Module | None = None, **options: Any
+    cache: ActivationCache,
+    layer: int,
+    model: nn.Module | None = None,
+    *,
+    attention_mask: Tensor | None = None,
+    **options: Any,
 ) -> LaplacianResidual:
-    """``connection_walk(cache, layer, model).laplacian_residual(**options)`` (spec §2-4).
+    """``connection_walk(cache, layer, model, attention_mask=...).laplacian_residual(**options)``
+    (spec §2-4).
 
     >>> print(cache.laplacian_residual(-1))  # a causal walk: mu falls back to uniform
     LaplacianResidual layer 1 (batch means; mu: uniform)
       stochasticity     0.0000
     ...
     """
-    return connection_walk(cache, layer, model).laplacian_residual(**options)
+    walk = connection_walk(cache, layer, model, attention_mask=attention_mask)
+    return walk.laplacian_residual(**options)

@@ -172,6 +172,26 @@ def _input_device(model: nn.Module) -> torch.device | None:
     return weight.device
 
 
+def _masks(mask: Tensor | None, data: Any, batch_size: int) -> Iterator[Tensor | None]:
+    """The attention mask of each batch of a token tensor (None without a mask)."""
+    if mask is None:
+        return itertools.repeat(None)
+    if not isinstance(data, Tensor) or tuple(mask.shape) != tuple(data.shape):
+        shape = tuple(data.shape) if isinstance(data, Tensor) else type(data).__name__
+        raise ConnWalkError(
+            f"attention_mask {tuple(mask.shape)} goes with a token tensor of its shape [n, pos]; "
+            f"data is {shape}."
+        )
+    return iter(mask.split(batch_size))
+
+
+def _mask_argument(model: nn.Module) -> str:
+    """The name ``run_with_cache`` takes the attention mask by: ``HookedEncoder`` has its own."""
+    return (
+        "one_zero_attention_mask" if type(model).__name__ == "HookedEncoder" else ("attention_mask")
+    )
+
+
 def analyze(
     model: Any,
     data: Any,
@@ -185,6 +205,7 @@ def analyze(
     seed: int = 0,
     progress: bool = True,
     distributed: bool | None = None,
+    attention_mask: Tensor | None = None,
 ) -> pd.DataFrame:
     """The `tl_connwalk.geometry_table` of a corpus, aggregated over batches.
 
@@ -202,6 +223,10 @@ def analyze(
             a single process would (up to float64 rounding). Every rank must pass the same
             ``data``. Default: when a process group is initialised. See
             `tl_connwalk.distributed`.
+        attention_mask: ``[n, pos]`` (1: real token, 0: padding) for a padded token tensor
+            ``data`` (e.g. ``model.to_tokens(texts)`` of texts of different lengths): the
+            model runs with it and every sequence counts as if it ran alone. Without it,
+            padding is read off the patterns (`tl_connwalk.cache.connection_walk`).
 
     Returns the table's columns as means over every sequence seen (each batch weighted by its
     size: one batch gives exactly ``geometry_table``'s numbers), plus ``n_sequences`` and, for
@@ -230,20 +255,26 @@ def analyze(
     device = _input_device(model)
     summary: _Summary | None = None
     batches = _batches(model, data, batch_size, seq_len)
+    masks = _masks(attention_mask, data, batch_size)
     for index, tokens in enumerate(
         tqdm(batches, desc="analyze", disable=not progress or rank != 0)
     ):
         if max_batches is not None and index >= max_batches:
             break
+        mask = next(masks)
         if index % world != rank:
             continue
+        run_options: dict[str, Any] = {"names_filter": names}
+        if mask is not None:
+            mask = mask if device is None else mask.to(device)
+            run_options[_mask_argument(model)] = mask
         with torch.no_grad():
             _, cache = model.run_with_cache(
-                tokens if device is None else tokens.to(device), names_filter=names
+                tokens if device is None else tokens.to(device), **run_options
             )
         table = geometry_table(
             cache, chosen, exclude_sink=exclude_sink, baseline_draws=baseline_draws,
-            seed=seed, progress=False,
+            seed=seed, progress=False, attention_mask=mask,
         )  # fmt: skip
         del cache
         part = _Summary.of(table, tokens.shape[0])

@@ -8,14 +8,15 @@ frozen and typed, and ``to_dict()`` gives plain floats and lists for JSON.
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Literal
 
 import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from tl_connwalk.core import draws, field_defect, head_grams, isometry, laplacian, markov
+from tl_connwalk.core import draws, field_defect, head_grams, isometry, laplacian, markov, padding
+from tl_connwalk.core import walk as core_walk
 from tl_connwalk.core.isometry import RandomBaseline
 from tl_connwalk.core.laplacian import NearestOperatorDistance
 from tl_connwalk.errors import ConnWalkError
@@ -61,6 +62,11 @@ class LaplacianResidual:
             ``transport_defect`` (and its baseline) was computed; ``None``: every edge.
         mass_covered: ``[batch]`` the share of the walk mass those edges actually carry
             (``>= mass_share``; 1 with every edge).
+        heads: the head subset measured (the walk of those heads alone), ``None``: every head.
+        edges_masked: whether an edge mask restricted the walk-weighted summaries.
+
+    On a padded batch (the walk's ``attention_mask``) every value of a sequence is that of
+    the sequence run alone; ``mu`` is 0 on padding.
     """
 
     stochasticity: Float[Tensor, " batch"]
@@ -81,6 +87,8 @@ class LaplacianResidual:
     processing: Mapping[str, bool] = dataclasses.field(default_factory=dict)
     mass_share: float | None = None
     mass_covered: Float[Tensor, " batch"] | None = None
+    heads: tuple[int, ...] | None = None
+    edges_masked: bool = False
 
     def to_dict(self) -> dict[str, object]:
         """Plain floats and lists, JSON-serialisable."""
@@ -105,6 +113,8 @@ class LaplacianResidual:
             ),
             "mass_share": self.mass_share,
             "mass_covered": _listed(self.mass_covered),
+            "heads": None if self.heads is None else list(self.heads),
+            "edges_masked": self.edges_masked,
         }
 
     def __repr__(self) -> str:
@@ -116,7 +126,10 @@ class LaplacianResidual:
             return f"  {name:<17} {text}"
 
         layer = "" if self.layer is None else f" layer {self.layer}"
+        if self.heads is not None:
+            layer += f" heads {list(self.heads)}"
         sink = ", sink excluded" if self.exclude_sink else ""
+        sink += ", edge mask" if self.edges_masked else ""
         mu = ", ".join(sorted(set(self.mu_kind)))
         lines = [
             f"LaplacianResidual{layer} (batch means{sink}; mu: {mu})",
@@ -140,6 +153,8 @@ def laplacian_residual(
     mu: Float[Tensor, "batch pos"] | markov.MuOption = "stationary",
     alpha: float = 0.85,
     exclude_sink: bool = False,
+    edges: padding.EdgeMask | None = None,
+    heads: Sequence[int] | None = None,
     baseline_draws: int = 8,
     seed: int = 0,
     exact: bool = False,
@@ -154,9 +169,19 @@ def laplacian_residual(
         mu: the measure for reversibility: ``"stationary"`` (falls back to uniform where the
             walk is reducible, e.g. causal), ``"uniform"``, ``"teleport"`` (stationary
             distribution of ``alpha W + (1 - alpha) 11^T / n``) or a ``[batch, pos]`` tensor.
-        exclude_sink: drop key 0 and renormalise rows in every walk-weighted summary. Key 0
-            is the sink of an unpadded or right-padded batch (TransformerLens's default); in a
-            left-padded batch it is a masked pad, so the real first token's sink is kept.
+        exclude_sink: drop each sequence's first real key (its sink: key 0, or the first
+            token after left padding) and renormalise rows in every walk-weighted summary.
+        edges: an edge mask for the walk-weighted summaries (``transport_defect``, ``scale``,
+            ``pairing``, ``field_defect``, ``head_field_defects``, ``mass_share``): a
+            ``[batch, query, key]`` bool tensor, or a function of the query and key token
+            positions (``[batch, query, 1]``, ``[batch, 1, key]``, counted from each
+            sequence's first real token), e.g. ``lambda q, k: k == q - 1``. Rows are
+            renormalised over the kept edges, as with ``exclude_sink``; the Markov conditions
+            (``stochasticity``, ``reversibility``, ``mu``) and ``nearest_operator`` stay those
+            of the whole walk. A mask of every edge gives the unmasked numbers exactly.
+        heads: measure the walk of these heads alone (`ConnectionWalk.of_heads`: their mean
+            pattern, gates renormalised among them, ``T'_ij = |S| sum_S g'^h_ij T^h``);
+            ``head_defects`` and the baselines are then those of the subset.
         baseline_draws: random transports per baseline (``>= 2``).
         seed: seed of the random baselines and of the edge sample.
         exact: also build the nearest random-walk connection operator ``P*`` (spec §4) and
@@ -191,30 +216,39 @@ def laplacian_residual(
         raise ConnWalkError(
             f"baseline_draws must be >= 2 (a spread needs two), got {baseline_draws}."
         )
+    isometry.check_flag(exclude_sink, "exclude_sink")
+    chosen = None if heads is None else core_walk.check_heads(heads, walk.n_heads)
+    if chosen is not None:
+        walk = walk.of_heads(chosen)
     W, g = walk.walk, walk.gates
+    positions = walk.attention_mask
+    scoped, drop_sink = padding.scope(positions, edges, exclude_sink, W.shape, W.device)
     terms = _layer_terms(walk)
     X, W_V, W_O = terms.field, terms.W_V, terms.W_O
-    reversibility = markov.reversibility_residual(W, mu, alpha=alpha)
+    reversibility = markov.reversibility_residual(W, mu, alpha=alpha, positions=positions)
     pairing = markov.pairing_residual(
-        W, g, W_V, W_O, exclude_sink=exclude_sink, query_chunk=query_chunk
+        W, g, W_V, W_O, exclude_sink=drop_sink, query_chunk=query_chunk, edges=scoped
     )
     kept, covered = None, None
     if mass_share is not None:
         considered = W
-        if exclude_sink:
+        if scoped is not None:
+            considered = torch.where(scoped, W, 0.0)
+        elif drop_sink:
             considered = W.clone()
             considered[:, :, 0] = 0.0
         selected = isometry.heaviest_edges(considered, mass_share)
-        covered = isometry.covered_mass_share(W, selected, exclude_sink=exclude_sink)
+        covered = isometry.covered_mass_share(considered, selected)
         # share 1 keeps every edge: the all-edge path itself, not a gathered copy of it
         kept = None if mass_share >= 1.0 else selected
-    heads = terms.heads
-    K2 = heads.K2
+    grams = terms.heads
+    K2 = grams.K2
     # the layer and its random draws (shared by every layer of this shape) as one family each
     rand = terms.layer_draws(baseline_draws, seed)
     means = isometry.gram_means(
-        W, g, torch.cat([K2[None], rand.K2]), torch.cat([heads.pair_gram[None], rand.pair_gram]),
-        terms.rank, exclude_sink=exclude_sink, edges=kept, query_chunk=query_chunk,
+        W, g, torch.cat([K2[None], rand.K2]), torch.cat([grams.pair_gram[None], rand.pair_gram]),
+        terms.rank, exclude_sink=drop_sink, edges=scoped if kept is None else kept,
+        query_chunk=query_chunk,
     )  # fmt: skip
     transport = means.defect
     unit_scale = means.scale[0]
@@ -222,14 +256,16 @@ def laplacian_residual(
         unit_scale = isometry.walk_weighted_mean(
             W,
             isometry.edge_frobenius_scales(g, K2, terms.rank, W, query_chunk=query_chunk),
-            exclude_sink=exclude_sink,
+            exclude_sink=drop_sink,
+            edges=scoped,
         )
 
     # the layer and its draws again as one family each, now by their message Grams
     message_grams = [terms.message_grams, *terms.draw_message_grams(baseline_draws, seed)]
     fields = field_defect.field_isometry_defects(
-        X, W, g, torch.stack(message_grams), exclude_sink=exclude_sink, query_chunk=query_chunk
-    )
+        X, W, g, torch.stack(message_grams), exclude_sink=drop_sink, query_chunk=query_chunk,
+        edges=scoped,
+    )  # fmt: skip
     baseline = {
         "head_defects": rand.head_defects,
         "transport_defect": transport[1:],
@@ -237,12 +273,13 @@ def laplacian_residual(
     }
     nearest = None
     if exact:
+        real_walk = W if positions is None else torch.where(padding.real_edges(positions), W, 0.0)
         nearest = laplacian.nearest_connection_operator_distance(
-            W, g, W_V, W_O, reversibility.mu, unit_scale, max_edges=max_edges, seed=seed
+            real_walk, g, W_V, W_O, reversibility.mu, unit_scale, max_edges=max_edges, seed=seed
         )
     scale = unit_scale / terms.factor
     return LaplacianResidual(
-        stochasticity=markov.stochasticity_residual(W),
+        stochasticity=markov.stochasticity_residual(W, positions=positions),
         reversibility=reversibility.residual,
         mu=reversibility.mu,
         mu_kind=reversibility.mu_kind,
@@ -250,7 +287,7 @@ def laplacian_residual(
         scale=scale,
         pairing=pairing.residual if bool(pairing.applicable.any()) else None,
         pairing_applicable=pairing.applicable,
-        head_defects=heads.head_defects,
+        head_defects=grams.head_defects,
         field_defect=fields[0],
         head_field_defects=field_defect.head_field_isometry_defects(
             X,
@@ -258,9 +295,10 @@ def laplacian_residual(
             g,
             W_V,
             W_O,
-            exclude_sink=exclude_sink,
+            exclude_sink=drop_sink,
             query_chunk=query_chunk,
             grams=terms.message_grams,
+            edges=scoped,
         ),
         baseline={
             name: RandomBaseline(values.to(isometry.working_dtype(values)))
@@ -272,13 +310,23 @@ def laplacian_residual(
         processing=walk.processing,
         mass_share=mass_share,
         mass_covered=covered,
+        heads=chosen,
+        edges_masked=edges is not None,
     )
 
 
 def isometry_defects(
-    walk: "ConnectionWalk", kind: DefectKind = "gram"
+    walk: "ConnectionWalk",
+    kind: DefectKind = "gram",
+    *,
+    edges: padding.EdgeMask | None = None,
+    heads: Sequence[int] | None = None,
 ) -> Float[Tensor, "batch query key"]:
     """Per-edge defect of the effective transports, 0 where ``W_ij = 0`` (spec §3).
+
+    Also 0 on padding (the walk's ``attention_mask``) and off ``edges`` (an edge mask as in
+    `laplacian_residual`); ``heads``: of the walk of those heads alone
+    (`ConnectionWalk.of_heads`).
 
     ``kind="gram"``: ``eps(T_ij)`` in closed form on every edge (``O(batch n^2 H^4)``).
     ``kind="frobenius"``: ``delta(T_ij)`` (the relative Frobenius distance to the nearest
@@ -286,17 +334,23 @@ def isometry_defects(
     Both with ``r = min(d_model, H_kv d_head)``, ``H_kv`` the distinct value heads
     (`tl_connwalk.core.isometry.effective_rank`).
     """
+    if kind not in ("gram", "frobenius"):
+        raise ConnWalkError(f'kind must be "gram" or "frobenius", got {kind!r}.')
+    if heads is not None:
+        walk = walk.of_heads(heads)
     terms = _layer_terms(walk)
+    W = walk.walk
+    scoped, _ = padding.scope(walk.attention_mask, edges, False, W.shape, W.device)
+    if scoped is not None:
+        W = torch.where(scoped, W, 0.0)
     if kind == "gram":
-        heads = terms.heads
+        grams = terms.heads
         return isometry.folded_edge_gram_defects(
-            walk.gates, heads.K2, heads.pair_gram, terms.rank, walk.walk
+            walk.gates, grams.K2, grams.pair_gram, terms.rank, W
         )
-    if kind == "frobenius":
-        sigma = isometry.edge_singular_values(walk.gates, terms.W_V, terms.W_O)
-        delta = isometry.isometry_defect(sigma, terms.rank)
-        return torch.where(walk.walk > 0, delta, torch.zeros_like(delta))
-    raise ConnWalkError(f'kind must be "gram" or "frobenius", got {kind!r}.')
+    sigma = isometry.edge_singular_values(walk.gates, terms.W_V, terms.W_O)
+    delta = isometry.isometry_defect(sigma, terms.rank)
+    return torch.where(W > 0, delta, torch.zeros_like(delta))
 
 
 class _LayerTerms:
@@ -318,6 +372,7 @@ class _LayerTerms:
         )
         self.factor = v_factor * o_factor
         self.kv_heads = walk.kv_heads
+        self.positions = walk.attention_mask
         self.rank = isometry.effective_rank(self.W_V, self.W_O, walk.kv_heads)
         self._draws: dict[tuple[int, int], draws.LayerDraws] = {}
         self._draw_grams: dict[tuple[int, int], list[Tensor]] = {}
@@ -344,12 +399,37 @@ class _LayerTerms:
         return self._draws[key]
 
     def draw_message_grams(self, n_draws: int, seed: int) -> list[Tensor]:
-        """`draws.LayerDraws.message_grams` of the field, one draw alive at a time."""
+        """`draws.LayerDraws.message_grams` of the field, one draw alive at a time.
+
+        In a padded batch each sequence's real keys are drawn for as a sequence of their
+        length (the field draws depend on it), one call per length: a sequence's field
+        baseline is then the one it has alone. Padding keys get zero Grams (no edge reads
+        them).
+        """
         key = (n_draws, seed)
         if key not in self._draw_grams:
             rand = self.layer_draws(n_draws, seed)
-            self._draw_grams[key] = list(rand.message_grams(self.field))
+            positions = self.positions
+            if positions is None:
+                self._draw_grams[key] = list(rand.message_grams(self.field))
+            else:
+                self._draw_grams[key] = self._per_length(rand, positions)
         return self._draw_grams[key]
+
+    def _per_length(self, rand: draws.LayerDraws, positions: Tensor) -> list[Tensor]:
+        n_heads = self.W_V.shape[0]
+        grams = [
+            self.field.new_zeros(*self.field.shape[:2], n_heads, n_heads)
+            for _ in range(len(rand.raw.draws))
+        ]
+        lengths = positions.sum(-1)
+        for length in lengths.unique().tolist():
+            seqs = (lengths == length).nonzero().flatten()
+            keys = positions[seqs].nonzero()[:, 1].view(len(seqs), int(length))
+            rows = seqs[:, None].expand_as(keys)
+            for gram, part in zip(grams, rand.message_grams(self.field[rows, keys]), strict=True):
+                gram[rows, keys] = part
+        return grams
 
 
 def _versions(walk: "ConnectionWalk") -> tuple[int, ...]:

@@ -13,12 +13,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any, overload
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Bool, Float
 from torch import Tensor
 from transformer_lens import FactoredMatrix
 
 from tl_connwalk import residual
-from tl_connwalk.core import value_heads
+from tl_connwalk.core import padding, value_heads
 from tl_connwalk.core import walk as core
 from tl_connwalk.core.generator import ConnectionGenerator
 from tl_connwalk.core.value_heads import KVHeads
@@ -51,6 +51,11 @@ class ConnectionWalk:
             (`tl_connwalk.core.value_heads`); ``None``: every head has its own. It sets the
             rank of the effective transports (``min(d_model, H_kv d_head)``, spec §3) and
             the sharing of the random baselines' value heads.
+        attention_mask: ``[batch, pos]`` bool, True on each sequence's real tokens, False on
+            padding; ``None`` when nothing is padding. Every measurement reads only the real
+            positions, so each sequence of a padded batch measures as if it had run alone
+            (`with_padding`; ``cache.connection_walk`` sets it). ``apply`` and ``bias`` still
+            give every row, padding queries included (the layer's output exactly).
 
     Examples:
         >>> A = torch.softmax(torch.randn(1, 2, 3, 3), -1)
@@ -70,6 +75,7 @@ class ConnectionWalk:
     layer: int | None = None
     processing: Mapping[str, bool] = dataclasses.field(default_factory=dict)
     kv_heads: KVHeads | None = None
+    attention_mask: Bool[Tensor, "batch pos"] | None = None
 
     @classmethod
     def from_pattern(
@@ -84,6 +90,7 @@ class ConnectionWalk:
         layer: int | None = None,
         processing: Mapping[str, bool] | None = None,
         kv_heads: Sequence[int] | None = None,
+        attention_mask: Tensor | None = None,
     ) -> "ConnectionWalk":
         """Split per-head patterns into walk and gates (spec §1.2); computes in float32 or wider.
 
@@ -91,7 +98,8 @@ class ConnectionWalk:
         ``W_V [head, d_model, d_head]``, ``W_O [head, d_head, d_model]``, ``b_V [head, d_head]``,
         ``b_O [d_model]``; checked here with a ConnWalkError naming them (annotated as plain
         tensors so that runtime type checkers do not pre-empt that message). Missing biases
-        are zero. Everything moves to ``field``'s device.
+        are zero. Everything moves to ``field``'s device. ``attention_mask`` ``[batch, pos]``
+        (nonzero: real token) marks padding, checked against the pattern (`with_padding`).
 
         Grouped-query attention: ``W_V`` (and ``b_V``) may hold the ``H_kv`` value heads
         ``[kv_head, d_model, d_head]``; query head ``h`` then reads value head ``kv_heads[h]``
@@ -117,6 +125,7 @@ class ConnectionWalk:
         b_V = torch.zeros(n_heads, d_head) if b_V is None else b_V
         b_O = torch.zeros(d_model) if b_O is None else b_O
         walk, gates = core.walk_and_gates(cast(pattern))
+        positions = None if attention_mask is None else padding.checked_mask(walk, attention_mask)
         return cls(
             walk=walk,
             gates=gates,
@@ -128,7 +137,67 @@ class ConnectionWalk:
             layer=layer,
             processing=dict(processing or {}),
             kv_heads=kv,
+            attention_mask=positions,
         )
+
+    def with_padding(self, attention_mask: Tensor | None = None) -> "ConnectionWalk":
+        """This walk with the padding of its batch marked (`attention_mask`).
+
+        ``attention_mask`` ``[batch, pos]`` (1 or True: real token, 0: padding) is the mask the
+        model ran with (``run_with_cache(tokens, attention_mask=...)``); it is checked: no
+        real query may attend to a position it calls padding. Without it, padding is read off
+        the walk (`tl_connwalk.core.padding.detect_padding`): trailing keys that no query
+        attends to (right padding) and leading keys that no later query attends to (left
+        padding); any other key that no query attends to raises a ConnWalkError asking for
+        the mask. A key no query attends to at the end of a sequence is taken for padding:
+        pass an all-ones mask to say that every position is a real token.
+
+        >>> walk.with_padding(torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]] * 2)).attention_mask.sum(-1)
+        tensor([6, 6])
+        """
+        positions = padding.positions_of(self.walk, attention_mask)
+        if positions is None and self.attention_mask is None:
+            return self
+        return dataclasses.replace(self, attention_mask=positions)
+
+    def of_heads(self, heads: Sequence[int]) -> "ConnectionWalk":
+        """The connection walk of the heads ``heads`` alone (spec §1.2 on that subset ``S``).
+
+        ``W'_ij = (1/|S|) sum_{h in S} A^h_ij``, gates renormalised among ``S``
+        (``g'^h_ij = A^h_ij / sum_{h' in S} A^h'_ij``) and transports
+        ``T'_ij = |S| sum_{h in S} g'^h_ij T^h``; ``W_V``, ``W_O``, ``b_V`` of those heads,
+        the layer's ``b_O``, the same field and padding. Heads are sorted; every head (in any
+        order) gives this walk itself. ``O(batch |S| n^2)``.
+
+        >>> walk.of_heads([0, 2]).gates.shape  # [batch, head, query, key]
+        torch.Size([2, 2, 8, 8])
+        """
+        chosen = core.check_heads(heads, self.n_heads)
+        if chosen == tuple(range(self.n_heads)):
+            return self
+        index = torch.tensor(chosen, device=self.gates.device)
+        pattern = self.patterns[:, index]
+        walk, gates = core.walk_and_gates(pattern)
+        return dataclasses.replace(
+            self,
+            walk=walk,
+            gates=gates,
+            W_V=self.W_V[index.to(self.W_V.device)],
+            W_O=self.W_O[index.to(self.W_O.device)],
+            b_V=self.b_V[index.to(self.b_V.device)],
+            kv_heads=_subset_value_heads(self.kv_heads, chosen),
+        )
+
+    def edges(self) -> Bool[Tensor, "batch query key"]:
+        """Where the walk has an edge: ``W_ij > 0`` between real positions.
+
+        >>> walk.edges().shape  # [batch, query, key]
+        torch.Size([2, 8, 8])
+        """
+        present = self.walk > 0
+        if self.attention_mask is None:
+            return present
+        return present & padding.real_edges(self.attention_mask)
 
     @property
     def n_heads(self) -> int:
@@ -171,10 +240,15 @@ class ConnectionWalk:
         ``H d_head`` (``.AB`` is the dense map). Without, every edge lazily as an
         `EffectiveTransport` (index it ``[query, key]``).
 
+        A transport exists only on an edge (`edges`: ``W_ij > 0`` between real positions),
+        the rule every measurement follows: a pair that is no edge in any batch element (the
+        future of a causal walk, padding) raises a ConnWalkError; batch elements where it is
+        no edge get the zero map.
+
         >>> walk.effective_transport(3, 1).AB.shape  # [batch, d_model, d_model]
         torch.Size([2, 32, 32])
         """
-        lazy = core.EffectiveTransport(self.gates, self.W_V, self.W_O)
+        lazy = core.EffectiveTransport(self.gates, self.W_V, self.W_O, edges=self.edges())
         if query is None and key is None:
             return lazy
         if query is None or key is None:
@@ -209,8 +283,8 @@ class ConnectionWalk:
         """How far ``L = I - P`` is from a random-walk connection Laplacian (spec §2-4).
 
         Options as `tl_connwalk.residual.laplacian_residual` (``mu``, ``alpha``,
-        ``exclude_sink``, ``baseline_draws``, ``seed``, ``exact``, ``max_edges``,
-        ``mass_share``, ``query_chunk``).
+        ``exclude_sink``, ``edges``, ``heads``, ``baseline_draws``, ``seed``, ``exact``,
+        ``max_edges``, ``mass_share``, ``query_chunk``).
 
         >>> walk.laplacian_residual(exclude_sink=True).transport_defect.shape  # [batch]
         torch.Size([2])
@@ -218,13 +292,18 @@ class ConnectionWalk:
         return residual.laplacian_residual(self, **options)
 
     def isometry_defects(
-        self, kind: residual.DefectKind = "gram"
+        self,
+        kind: residual.DefectKind = "gram",
+        *,
+        edges: padding.EdgeMask | None = None,
+        heads: Sequence[int] | None = None,
     ) -> Float[Tensor, "batch query key"]:
         """Per-edge defect of ``T_ij``: ``"gram"`` (eps, closed form) or ``"frobenius"`` (delta).
 
-        0 where ``W_ij = 0``. See `tl_connwalk.residual.isometry_defects`.
+        0 where ``W_ij = 0``, on padding and off ``edges``. See
+        `tl_connwalk.residual.isometry_defects`.
         """
-        return residual.isometry_defects(self, kind)
+        return residual.isometry_defects(self, kind, edges=edges, heads=heads)
 
     def __repr__(self) -> str:
         batch, n_heads, n_pos, _ = self.gates.shape
@@ -236,8 +315,9 @@ class ConnectionWalk:
             else f"{n_heads}, value_heads={self.n_value_heads}"
         )
         processing = ", ".join(f"{k}={v}" for k, v in self.processing.items()) or "unknown"
+        pads = "" if self.attention_mask is None else ", padded"
         return (
-            f"ConnectionWalk({layer}batch={batch}, pos={n_pos}, heads={heads}, "
+            f"ConnectionWalk({layer}batch={batch}, pos={n_pos}{pads}, heads={heads}, "
             f"d_model={d_model}, d_head={d_head}, dtype={self.walk.dtype}, "
             f"device={self.walk.device}, processing: {processing})"
         )
@@ -306,3 +386,16 @@ def _check_shapes(pattern: Tensor, field: Tensor, W_V: Tensor, W_O: Tensor) -> N
         raise ConnWalkError(f"operand shapes do not fit together: {shapes}.")
     if n_key == 0:
         raise ConnWalkError("the walk has no positions (empty sequence); run at least one token.")
+
+
+def _subset_value_heads(kv_heads: KVHeads | None, heads: Sequence[int]) -> KVHeads | None:
+    """The value heads of the query heads ``heads``, renumbered ``0, 1, ...`` in order.
+
+    >>> _subset_value_heads((0, 0, 1, 1, 2, 2), [1, 4, 5])
+    (0, 1, 1)
+    """
+    if kv_heads is None:
+        return None
+    chosen = [kv_heads[h] for h in heads]
+    number = {v: i for i, v in enumerate(sorted(set(chosen)))}
+    return tuple(number[v] for v in chosen)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from einops import einsum, rearrange, reduce
-from jaxtyping import Float
+from jaxtyping import Bool, Float
 from torch import Tensor
 
 from tl_connwalk.core.isometry import (
@@ -392,6 +392,7 @@ def field_isometry_defects(
     *,
     exclude_sink: bool = False,
     query_chunk: int | None = None,
+    edges: Bool[Tensor, "batch query key"] | None = None,
 ) -> Float[Tensor, "family batch"]:
     """`field_isometry_defect` of several transport families on one walk, in one pass.
 
@@ -401,7 +402,9 @@ def field_isometry_defects(
     spread ``E[rho^2] - E[rho]^2`` then loses about ``1e-16 / CV^2`` of itself: nothing at
     float32's precision), so no ``[batch, n, n]`` tensor of ratios is kept. The field's norms
     and ``H^2`` are folded into the Grams first (`_ratio_grams`). Time
-    ``O(batch n^2 family H^2)``, memory the walk's size plus one chunk.
+    ``O(batch n^2 family H^2)``, memory the walk's size plus one chunk. ``edges``
+    ``[batch, query, key]`` keeps only those edges (rows renormalised over them, as
+    ``exclude_sink``), e.g. `tl_connwalk.core.padding.scope`'s.
 
     >>> A = torch.softmax(torch.randn(1, 2, 4, 4), -1)
     >>> grams = message_grams(torch.randn(1, 4, 8), torch.randn(2, 8, 4), torch.randn(2, 4, 8))
@@ -419,7 +422,10 @@ def field_isometry_defects(
     _check_gates(gates, grams.shape[-1], field.shape[1])
     _check_chunk(query_chunk)
     check_flag(exclude_sink, "exclude_sink")
-    weights, _ = _edge_weights(walk, exclude_sink, _sent(field, walk.shape))
+    kept = _sent(field, walk.shape)
+    if edges is not None:
+        kept = edges if kept is None else kept & edges.to(kept.device)
+    weights, _ = _edge_weights(walk, exclude_sink, kept)
     # the sums run in float64 (chunk by chunk: no float64 copy of the walk), so the spread
     # E[rho^2] - E[rho]^2 keeps float32's precision
     weights = weights.to(gates.device)
@@ -451,6 +457,7 @@ def head_field_isometry_defects(
     exclude_sink: bool = False,
     query_chunk: int | None = None,
     grams: Float[Tensor, "batch key head head"] | None = None,
+    edges: Bool[Tensor, "batch query key"] | None = None,
 ) -> Float[Tensor, "batch head"]:
     """Per head: the CV of ``rho^h_j = ||x_j T^h|| / ||x_j||`` weighted by that head's walk.
 
@@ -458,7 +465,8 @@ def head_field_isometry_defects(
     ``(i, j)`` weighs ``A^h_ij`` and carries ``rho^h_j``. Since ``rho^h_j`` depends on the key
     only, the weighted sums run over keys with column weights ``sum_i A^h_ij`` (rows
     renormalised first when keys are dropped): ``O(batch n^2 H)`` time, chunked over queries
-    (``query_chunk`` rows; ``None``: ``isometry.CHUNK_ENTRIES`` numbers per chunk).
+    (``query_chunk`` rows; ``None``: ``isometry.CHUNK_ENTRIES`` numbers per chunk). ``edges``
+    ``[batch, query, key]`` keeps only those edges of every head's walk, rows renormalised.
 
     >>> A = torch.softmax(torch.randn(1, 2, 3, 3), -1)
     >>> head_field_isometry_defects(torch.randn(1, 3, 8), A.mean(1), A / A.sum(1, keepdim=True),
@@ -483,12 +491,14 @@ def head_field_isometry_defects(
     if exclude_sink:
         keys = keys.clone()
         keys[:, 0] = False
-    restricted = exclude_sink or not bool(keys.all())
+    restricted = exclude_sink or not bool(keys.all()) or edges is not None
     keys_w = keys.to(rho)
     batch, _, n_query, n_key = gates.shape
     column = torch.zeros(batch, n_heads, n_key, dtype=rho.dtype, device=rho.device)
     for rows in _query_chunks(n_query, 2 * batch * n_heads * n_key, query_chunk):
         pattern = n_heads * walk_w[:, None, rows] * gates_w[:, :, rows]  # A^h on these rows
+        if edges is not None:
+            pattern = pattern * edges[:, None, rows].to(pattern)
         if restricted:
             # rows renormalised over the kept keys; rows without mass there drop out
             row_mass = einsum(

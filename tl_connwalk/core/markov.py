@@ -33,6 +33,7 @@ from tl_connwalk.core.isometry import (
     walk_weighted_mean,
     working_dtype,
 )
+from tl_connwalk.core.padding import first_real, real_edges
 from tl_connwalk.errors import ConnWalkError
 
 MuKind = Literal["stationary", "uniform", "given", "teleport"]
@@ -56,14 +57,23 @@ def _check_walk(walk: Tensor, name: str = "walk", square: bool = True) -> Tensor
     return walk64
 
 
-def stochasticity_residual(walk: Float[Tensor, "batch query key"]) -> Float[Tensor, " batch"]:
+def stochasticity_residual(
+    walk: Float[Tensor, "batch query key"],
+    *,
+    positions: Bool[Tensor, "batch query"] | None = None,
+) -> Float[Tensor, " batch"]:
     """``max_i |sum_j W_ij - 1|`` (spec §3): zero exactly under (C1).
+
+    ``positions`` ``[batch, query]`` (True: a real token, False: padding) restricts the rows
+    to the real queries.
 
     >>> stochasticity_residual(torch.softmax(torch.randn(2, 4, 4), -1)) < 1e-6  # rounding only
     tensor([True, True])
     """
     walk64 = _check_walk(walk, square=False)
     residual = (reduce(walk64, "batch query key -> batch query", "sum") - 1).abs()
+    if positions is not None:
+        residual = torch.where(positions.to(residual.device), residual, 0.0)
     return reduce(residual, "batch query -> batch", "max").to(working_dtype(walk))
 
 
@@ -79,12 +89,16 @@ def is_irreducible(walk: Float[Tensor, "batch query key"]) -> Bool[Tensor, " bat
     return _is_irreducible(_check_walk(walk))
 
 
-def _is_irreducible(walk64: Tensor) -> Tensor:
-    """`is_irreducible` of a checked float64 walk."""
+def _is_irreducible(walk64: Tensor, real: Tensor | None = None) -> Tensor:
+    """`is_irreducible` of a checked float64 walk; with ``real`` ``[batch, pos]``, of the walk
+    among the real positions (the walk is zero off them)."""
     edges = (walk64 > 0).to(torch.float64)
     batch, n_pos, _ = edges.shape
     start = torch.zeros(batch, n_pos, dtype=torch.float64, device=edges.device)
-    start[:, 0] = 1.0
+    if real is None:
+        start[:, 0] = 1.0
+    else:
+        start[torch.arange(batch, device=edges.device), first_real(real)] = 1.0
     forward, backward = start, start
     for _ in range(n_pos):
         new_forward = ((forward + einsum(forward, edges, "b i, b i j -> b j")) > 0).to(forward)
@@ -92,30 +106,53 @@ def _is_irreducible(walk64: Tensor) -> Tensor:
         if torch.equal(new_forward, forward) and torch.equal(new_backward, backward):
             break
         forward, backward = new_forward, new_backward
+    if real is not None:  # padding is never reached, and need not be
+        forward, backward = forward + ~real, backward + ~real
     return (forward > 0).all(-1) & (backward > 0).all(-1)
 
 
-def _row_normalised(walk64: Tensor) -> Tensor:
-    """Rows scaled to sum 1; rows without mass become uniform (dangling positions)."""
+def _uniform(walk64: Tensor, real: Tensor | None) -> Tensor:
+    """``[batch, pos]``: ``1/n``, or ``1/n_real`` on the real positions and 0 on padding."""
+    if real is None:
+        return torch.full(walk64.shape[:2], 1.0 / walk64.shape[-1], dtype=walk64.dtype,
+                          device=walk64.device)  # fmt: skip
+    real = real.to(walk64)
+    return real / reduce(real, "batch pos -> batch 1", "sum")
+
+
+def _row_normalised(walk64: Tensor, real: Tensor | None = None) -> Tensor:
+    """Rows scaled to sum 1; rows without mass become uniform (dangling positions), over the
+    real positions where ``real`` is given (padding rows stay 0)."""
     mass = reduce(walk64, "batch query key -> batch query 1", "sum")
-    uniform = torch.full_like(walk64, 1.0 / walk64.shape[-1])
+    if real is None:
+        uniform = torch.full_like(walk64, 1.0 / walk64.shape[-1])
+    else:
+        uniform = real_edges(real).to(walk64) * _uniform(walk64, real)[:, None, :]
     return torch.where(mass > 0, walk64 / torch.where(mass > 0, mass, 1.0), uniform)
 
 
-def _solve_stationary(chain: Tensor) -> Tensor:
+def _solve_stationary(chain: Tensor, real: Tensor | None = None) -> Tensor:
     """``mu^T P = mu^T, sum mu = 1`` for irreducible row-stochastic ``P`` (float64), by one solve.
 
     ``P^T - I`` has rank ``n - 1`` and the all-ones row is independent of its rows, so
     replacing the last equation by normalisation gives a nonsingular system. A solve (not
-    power iteration) also handles periodic chains.
+    power iteration) also handles periodic chains. With ``real`` ``[batch, pos]``, of the
+    chain among the real positions: padding gets the equation ``mu_j = 0`` and the last real
+    position's equation becomes the normalisation.
     """
-    n_pos = chain.shape[-1]
-    system = rearrange(chain, "batch i j -> batch j i") - torch.eye(
-        n_pos, dtype=chain.dtype, device=chain.device
-    )
-    system[:, -1, :] = 1.0
+    batch, n_pos = chain.shape[:2]
+    eye = torch.eye(n_pos, dtype=chain.dtype, device=chain.device)
+    system = rearrange(chain, "batch i j -> batch j i") - eye
     rhs = torch.zeros(chain.shape[:2], dtype=chain.dtype, device=chain.device)
-    rhs[:, -1] = 1.0
+    if real is None:
+        system[:, -1, :] = 1.0
+        rhs[:, -1] = 1.0
+    else:
+        system = torch.where(real[:, :, None], system, eye)
+        last = n_pos - 1 - first_real(real.flip(-1))
+        rows = torch.arange(batch, device=chain.device)
+        system[rows, last, :] = real.to(system)
+        rhs[rows, last] = 1.0
     mu = torch.linalg.solve(system, rhs).clamp_min(0.0)
     return mu / reduce(mu, "batch pos -> batch 1", "sum")
 
@@ -129,7 +166,10 @@ def _check_alpha(alpha: float) -> float:
 
 
 def stationary_distribution(
-    walk: Float[Tensor, "batch query key"], *, teleport: float | None = None
+    walk: Float[Tensor, "batch query key"],
+    *,
+    teleport: float | None = None,
+    positions: Bool[Tensor, "batch query"] | None = None,
 ) -> Float[Tensor, "batch query"]:
     """The stationary distribution ``mu`` (``mu^T W = mu^T``, ``sum mu = 1``) of the walk.
 
@@ -137,28 +177,48 @@ def stationary_distribution(
     is reducible (`is_irreducible` is False) there is no unique positive ``mu`` and the
     result is uniform, ``1/n``. With ``teleport=alpha`` it is instead the stationary
     distribution of ``alpha W + (1 - alpha) 11^T / n`` (PageRank; rows of ``W`` without mass
-    jump uniformly), which always exists and is positive. Solved in float64.
+    jump uniformly), which always exists and is positive. Solved in float64. ``positions``
+    ``[batch, query]`` (True: a real token) restricts the chain to the real positions, ``n``
+    to their number; padding gets ``mu = 0``.
 
     >>> W = torch.tensor([[[0.5, 0.5], [0.25, 0.75]]])
     >>> stationary_distribution(W)
     tensor([[0.3333, 0.6667]])
     """
+    walk64, real = _on_positions(_check_walk(walk), positions)
     if teleport is not None:
-        chain = _row_normalised(_check_walk(walk))
+        chain = _row_normalised(walk64, real)
         alpha = _check_alpha(teleport)
-        mu = _solve_stationary(alpha * chain + (1.0 - alpha) / chain.shape[-1])
+        if real is None:
+            mu = _solve_stationary(alpha * chain + (1.0 - alpha) / chain.shape[-1])
+        else:
+            jump = real_edges(real).to(chain) * _uniform(walk64, real)[:, None, :]
+            mu = _solve_stationary(alpha * chain + (1.0 - alpha) * jump, real)
         return mu.to(working_dtype(walk))
-    return _stationary_or_uniform(_check_walk(walk))[0].to(working_dtype(walk))
+    return _stationary_or_uniform(walk64, real)[0].to(working_dtype(walk))
 
 
-def _stationary_or_uniform(walk64: Tensor) -> tuple[Tensor, Tensor]:
+def _on_positions(walk64: Tensor, positions: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """The checked walk zeroed off the edges between real positions, and those positions."""
+    if positions is None:
+        return walk64, None
+    if positions.shape != walk64.shape[:2]:
+        raise ConnWalkError(
+            f"positions {tuple(positions.shape)} must be [batch, pos] = "
+            f"{tuple(walk64.shape[:2])}, the walk's."
+        )
+    real = positions.to(device=walk64.device, dtype=torch.bool)
+    return torch.where(real_edges(real), walk64, 0.0), real
+
+
+def _stationary_or_uniform(walk64: Tensor, real: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """float64 ``mu`` (stationary where irreducible, else uniform) and the irreducible flags,
-    of a checked float64 walk."""
-    n_pos = walk64.shape[-1]
-    irreducible = _is_irreducible(walk64)
-    mu = torch.full(walk64.shape[:2], 1.0 / n_pos, dtype=torch.float64, device=walk64.device)
+    of a checked float64 walk (among the ``real`` positions where given)."""
+    irreducible = _is_irreducible(walk64, real)
+    mu = _uniform(walk64, real).clone()
     if irreducible.any():
-        mu[irreducible] = _solve_stationary(_row_normalised(walk64[irreducible]))
+        sub = None if real is None else real[irreducible]
+        mu[irreducible] = _solve_stationary(_row_normalised(walk64[irreducible], sub), sub)
     return mu, irreducible
 
 
@@ -187,6 +247,7 @@ def reversibility_residual(
     mu: Float[Tensor, "batch query"] | MuOption = "stationary",
     *,
     alpha: float = 0.85,
+    positions: Bool[Tensor, "batch query"] | None = None,
 ) -> ReversibilityResidual:
     """``||M - M^T||_F / ||M + M^T||_F`` with ``M = diag(mu) W`` (spec §3): zero under (C2).
 
@@ -194,14 +255,16 @@ def reversibility_residual(
     irreducible, else uniform, and the result says which), ``"uniform"``, ``"teleport"`` (the
     stationary distribution of ``alpha W + (1 - alpha) 11^T / n``) or a ``[batch, query]``
     tensor of your own (``>= 0``, any scale). ``W`` itself is used as given. A zero ``M``
-    (0/0) counts as reversible: residual 0.
+    (0/0) counts as reversible: residual 0. ``positions`` ``[batch, query]`` (True: a real
+    token, False: padding) restricts everything to the walk among the real positions, as if
+    the padding were not there (``mu`` is 0 on padding).
 
     >>> S = torch.rand(1, 4, 4); S = S + S.mT
     >>> reversibility_residual(S / S.sum(-1, keepdim=True)).residual < 1e-6  # reversible
     tensor([True])
     """
-    walk64 = _check_walk(walk)
-    batch, n_pos, _ = walk64.shape
+    walk64, real = _on_positions(_check_walk(walk), positions)
+    batch = walk64.shape[0]
     kinds: list[MuKind]
     if isinstance(mu, Tensor):
         if mu.shape != walk64.shape[:2]:
@@ -209,17 +272,19 @@ def reversibility_residual(
                 f"mu {tuple(mu.shape)} must be [batch, query] = {tuple(walk64.shape[:2])}."
             )
         mu64 = mu.to(device=walk64.device, dtype=torch.float64)
+        if real is not None:
+            mu64 = torch.where(real, mu64, 0.0)
         if not torch.isfinite(mu64).all() or (mu64 < 0).any() or (mu64.sum(-1) <= 0).any():
             raise ConnWalkError("mu must be finite, >= 0 and have positive mass in every row.")
         kinds = ["given"] * batch
     elif mu == "stationary":
-        mu64, irreducible = _stationary_or_uniform(walk64)
+        mu64, irreducible = _stationary_or_uniform(walk64, real)
         kinds = ["stationary" if flag else "uniform" for flag in irreducible.tolist()]
     elif mu == "uniform":
-        mu64 = torch.full((batch, n_pos), 1.0 / n_pos, dtype=torch.float64, device=walk64.device)
+        mu64 = _uniform(walk64, real)
         kinds = ["uniform"] * batch
     elif mu == "teleport":
-        mu64 = stationary_distribution(walk, teleport=alpha).to(torch.float64)
+        mu64 = stationary_distribution(walk, teleport=alpha, positions=real).to(torch.float64)
         kinds = ["teleport"] * batch
     else:
         raise ConnWalkError(f"mu must be a tensor or one of {get_args(MuOption)}, got {mu!r}.")
@@ -237,6 +302,7 @@ def layer_drift(
     walk_b: Float[Tensor, "batch query key"],
     *,
     exclude_sink: bool = False,
+    edges: Bool[Tensor, "batch query key"] | None = None,
 ) -> Float[Tensor, " batch"]:
     """``(1/n) sum_i TV(W^a_i., W^b_i.)``, ``TV`` half the L1 distance of two rows (spec §3).
 
@@ -258,12 +324,23 @@ def layer_drift(
             f"{tuple(b64.shape)} (same batch and positions at both layers)."
         )
     dtype = working_dtype(walk_a, walk_b)
-    if not exclude_sink:
+    if not exclude_sink and edges is None:
         b64 = b64.to(a64.device)
         tv = 0.5 * reduce((a64 - b64).abs(), "batch query key -> batch query", "sum")
         rows = ((a64.sum(-1) > 0) | (b64.sum(-1) > 0)).to(tv.dtype).sum(-1)
         return torch.where(rows > 0, tv.sum(-1) / rows.clamp_min(1.0), 0.0).to(dtype)
-    a64, b64 = a64[:, :, 1:], b64[:, :, 1:].to(a64.device)
+    if edges is None:
+        a64, b64 = a64[:, :, 1:], b64[:, :, 1:].to(a64.device)
+    else:
+        if edges.shape != a64.shape:
+            raise ConnWalkError(
+                f"edges {tuple(edges.shape)} must have the walks' shape {tuple(a64.shape)}."
+            )
+        keep = edges.to(a64.device)
+        if exclude_sink:
+            keep = keep.clone()
+            keep[:, :, 0] = False
+        a64, b64 = torch.where(keep, a64, 0.0), torch.where(keep, b64.to(a64.device), 0.0)
     mass_a = reduce(a64, "batch query key -> batch query 1", "sum")
     mass_b = reduce(b64, "batch query key -> batch query 1", "sum")
     kept = (mass_a > 0) & (mass_b > 0)
@@ -360,14 +437,16 @@ def pairing_residual(
     *,
     exclude_sink: bool = False,
     query_chunk: int | None = None,
+    edges: Bool[Tensor, "batch query key"] | None = None,
 ) -> PairingResidual:
     """The pairing residual ``||T_ji - T_ij^T||_F / ||T_ij||_F``, walk-weighted (spec §3).
 
     Averaged over the edges present in both directions (``W_ij > 0`` and ``W_ji > 0``,
     diagonal included: ``T_ii`` must be symmetric) with the restricted weights of
     `tl_connwalk.core.isometry.walk_weighted_mean` (rows renormalised over those edges;
-    ``exclude_sink`` also drops key 0). Not applicable (``applicable`` False) where no
-    off-diagonal pair has edges both ways: a causal walk. Costs ``O(batch n^2 H^2)``.
+    ``exclude_sink`` also drops key 0, ``edges`` keeps only those edges). Not applicable
+    (``applicable`` False) where no off-diagonal pair has edges both ways: a causal walk.
+    Costs ``O(batch n^2 H^2)``.
 
     >>> A = torch.softmax(torch.randn(1, 2, 4, 4), -1)
     >>> pairing_residual(A.mean(1), A / A.sum(1, keepdim=True), torch.randn(2, 8, 4),
@@ -382,6 +461,8 @@ def pairing_residual(
         )
     present = walk64 > 0
     both = present & rearrange(present, "batch query key -> batch key query")
+    if edges is not None:  # the pair must exist both ways in the walk, the edge in the mask
+        both = both & edges.to(both.device)
     off_diagonal = ~torch.eye(walk64.shape[-1], dtype=torch.bool, device=walk64.device)
     applicable = rearrange(both & off_diagonal, "batch query key -> batch (query key)").any(-1)
     _check_heads(W_V, W_O)

@@ -15,11 +15,33 @@ and ``W_ij T_ij = sum_h A^h_ij T^h`` edge by edge, which is how `propagate` eval
 ``P X`` without ever forming a ``d_model x d_model`` map per edge.
 """
 
+from collections.abc import Sequence
+
 import torch
 from einops import einsum, rearrange, reduce
-from jaxtyping import Float
+from jaxtyping import Bool, Float
 from torch import Tensor
 from transformer_lens import FactoredMatrix
+
+from tl_connwalk.errors import ConnWalkError
+
+
+def check_heads(heads: Sequence[int], n_heads: int) -> tuple[int, ...]:
+    """``heads`` as sorted distinct indices in ``0..n_heads-1``; a ConnWalkError otherwise.
+
+    >>> check_heads([3, -4], 4)
+    (0, 3)
+    """
+    chosen = tuple(heads) if not isinstance(heads, (int, str, Tensor)) else ()
+    if not chosen or not all(isinstance(h, int) and not isinstance(h, bool) for h in chosen):
+        raise ConnWalkError(f"heads must be a non-empty sequence of head indices, got {heads!r}.")
+    in_range = all(-n_heads <= h < n_heads for h in chosen)
+    if not in_range or len({h % n_heads for h in chosen}) != len(chosen):
+        raise ConnWalkError(
+            f"heads {list(chosen)} must be distinct indices of the layer's {n_heads} heads "
+            f"(0..{n_heads - 1}, or negative from the end)."
+        )
+    return tuple(sorted(h % n_heads for h in chosen))
 
 
 def walk_matrix(pattern: Float[Tensor, "batch head query key"]) -> Float[Tensor, "batch query key"]:
@@ -187,7 +209,10 @@ class EffectiveTransport:
     """All edges' effective transports ``T_ij``, held lazily as gates and head factors.
 
     Never materialises ``n^2 d_model^2`` numbers: indexing one edge gives its
-    ``FactoredMatrix`` (`edge_transport`), ``[batch, d_model, d_model]``.
+    ``FactoredMatrix`` (`edge_transport`), ``[batch, d_model, d_model]``. With ``edges``
+    ``[batch, query, key]`` (where the walk has an edge) a transport exists only on an edge:
+    a pair that is an edge in no batch element raises a ConnWalkError, and batch elements
+    where it is none get the zero map.
 
     >>> A = torch.softmax(torch.randn(1, 2, 3, 3), -1)
     >>> T = EffectiveTransport(gates(A), torch.randn(2, 8, 4), torch.randn(2, 4, 8))
@@ -200,10 +225,12 @@ class EffectiveTransport:
         gates: Float[Tensor, "batch head query key"],
         W_V: Float[Tensor, "head d_model d_head"],
         W_O: Float[Tensor, "head d_head d_model"],
+        edges: Bool[Tensor, "batch query key"] | None = None,
     ) -> None:
         self.gates = gates
         self.W_V = W_V
         self.W_O = W_O
+        self.edges = edges
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -214,7 +241,20 @@ class EffectiveTransport:
 
     def __getitem__(self, edge: tuple[int, int]) -> FactoredMatrix:
         query, key = edge
-        return edge_transport(self.gates[:, :, query, key], self.W_V, self.W_O)
+        transport = edge_transport(self.gates[:, :, query, key], self.W_V, self.W_O)
+        if self.edges is None or self.edges.is_meta:  # meta tensors hold no values to check
+            return transport
+        present = self.edges[:, query, key]
+        if not bool(present.any()):
+            raise ConnWalkError(
+                f"({query}, {key}) is no edge of the walk (W_ij = 0: the future of a causal "
+                "walk, padding or a key no head attends to), so it has no transport; "
+                "walk.edges() shows the edges."
+            )
+        if bool(present.all()):
+            return transport
+        keep = present.to(transport.A)[:, None, None]
+        return FactoredMatrix(transport.A * keep, transport.B)
 
     def __repr__(self) -> str:
         batch, n_query, n_key, d_model, _ = self.shape

@@ -128,12 +128,17 @@ def measure(
     baseline_draws: int,
     seed: int,
     progress: bool = True,
+    attention_mask: Tensor | None = None,
 ) -> Measurements:
-    """Identity errors, both laplacian residuals and heatmap walks for ``layers``."""
+    """Identity errors, both laplacian residuals and heatmap walks for ``layers``.
+
+    ``attention_mask`` ``[batch, pos]``: the padding of a padded batch (else read off the
+    cache, `tl_connwalk.cache.connection_walk`); each sequence is measured as if alone.
+    """
     records: list[LayerMeasurement] = []
     walks: dict[int, np.ndarray] = {}
     for layer in tqdm(layers, desc="residuals", disable=not progress):
-        walk = connection_walk(cache, layer)
+        walk = connection_walk(cache, layer, attention_mask=attention_mask)
         options = {"baseline_draws": baseline_draws, "seed": seed}
         records.append(
             LayerMeasurement(
@@ -147,8 +152,11 @@ def measure(
         if layer in heatmap_layers:
             walks[layer] = walk.walk[0].float().cpu().numpy()
     drift = {
-        "with_sink": layer_drift(cache, exclude_sink=False).mean(0).cpu().numpy(),
-        "without_sink": layer_drift(cache, exclude_sink=True).mean(0).cpu().numpy(),
+        name: layer_drift(cache, exclude_sink=exclude, attention_mask=attention_mask)
+        .mean(0)
+        .cpu()
+        .numpy()
+        for name, exclude in (("with_sink", False), ("without_sink", True))
     }
     return Measurements(records, walks, drift)
 
