@@ -49,11 +49,18 @@ _HOOKED_TRANSFORMER: Any = _optional_class("HookedTransformer")
 _HOOKED_ENCODER: Any = _optional_class("HookedEncoder")
 _CLASSES: tuple[type, ...] = tuple(c for c in (_HOOKED_TRANSFORMER, _HOOKED_ENCODER) if c)
 
-_architectures = importlib.import_module("transformer_lens.utilities.architectures")
+
+def _post_norm_architectures() -> frozenset[str]:
+    """Architectures whose ln1 normalises the attention *output* (none before TransformerLens 3)."""
+    try:
+        architectures = importlib.import_module("transformer_lens.utilities.architectures")
+    except ImportError:  # TransformerLens 2.x: no post-norm decoders
+        return frozenset()
+    return frozenset(getattr(architectures, "POST_NORM_ARCHITECTURES", ()))
+
+
 #: Architectures whose ln1 normalises the attention *output*; their value input is the residual.
-POST_NORM_ARCHITECTURES: frozenset[str] = frozenset(
-    getattr(_architectures, "POST_NORM_ARCHITECTURES", ())
-)
+POST_NORM_ARCHITECTURES: frozenset[str] = _post_norm_architectures()
 
 
 def supports(model: nn.Module) -> bool:
