@@ -1,5 +1,6 @@
 import pytest
 
+from tests.architectures import bridge_only
 from tl_connwalk.cli import main
 
 
@@ -21,6 +22,7 @@ def test_report_help_lists_every_option(capsys):
         assert option in out
 
 
+@bridge_only
 def test_report_on_a_toy_model(tmp_path, capsys):
     out = tmp_path / "toy"
     args = ["report", "--model", "toy-llama", "--max-tokens", "12", "--baseline-draws", "2",

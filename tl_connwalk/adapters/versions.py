@@ -35,10 +35,14 @@ def is_bridge(model: Any) -> bool:
     return HAS_BRIDGE and isinstance(model, TransformerBridge)
 
 
+class BridgeUnavailableError(ConnWalkError):
+    """Raised where a ``TransformerBridge`` is needed and this TransformerLens has none (2.x)."""
+
+
 def require_bridge(what: str) -> Any:
-    """The ``TransformerBridge`` class, or a ConnWalkError saying ``what`` needs it."""
+    """The ``TransformerBridge`` class, or a BridgeUnavailableError saying ``what`` needs it."""
     if TransformerBridge is None:
-        raise ConnWalkError(
+        raise BridgeUnavailableError(
             f"{what} needs TransformerLens's TransformerBridge, which TransformerLens "
             f"{transformer_lens_version()} does not have (it came in 3.0). Upgrade with "
             f"`pip install 'transformer-lens>=3.0'`, or use a HookedTransformer model."

@@ -204,11 +204,12 @@ def _load_decoder(
         process["center_unembed"] = False
     state_dict = loading.get_pretrained_state_dict(tl_name, cfg, hf_model, dtype=dtype)
     del hf_model
+    padding = options.get("default_padding_side")  # TransformerLens 2.x refuses None
     model = hooked_transformer(
         cfg,
         tokenizer,
         move_to_device=False,
-        default_padding_side=options.get("default_padding_side"),
+        **({} if padding is None else {"default_padding_side": padding}),
     )
     model.load_and_process_state_dict(state_dict, **process)
     model.move_model_modules_to_device()
@@ -297,7 +298,6 @@ def _load_bridge(
     """A ``TransformerBridge`` from a zoo name or a local Hugging Face directory."""
     from transformers import AutoTokenizer
 
-    bridge_class = require_bridge("backend='bridge'")
     unknown = set(processing) - set(PROCESSING_DEFAULTS)
     if unknown:
         raise ConnWalkError(
@@ -313,6 +313,7 @@ def _load_bridge(
         raise ConnWalkError(
             f"{name!r} is neither a zoo model {sorted(MODELS)} nor a local Hugging Face directory."
         )
+    bridge_class = require_bridge("backend='bridge'")
     options = {**PROCESSING_DEFAULTS, **processing}
     bridge = bridge_class.boot_transformers(
         _tl_path(path), tokenizer=AutoTokenizer.from_pretrained(path), device=device, dtype=dtype
