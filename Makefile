@@ -51,14 +51,17 @@ lint: setup
 test: lint pytest
 
 pytest: setup
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-tl4:
 	$(MAKE) test VENV=.venv-tl4 TL=transformer-lens==4.3.0
 
-# The suite without lint (ruff and mypy check the code against TransformerLens 3.x's types).
+# The suite without lint (ruff and mypy check the code against TransformerLens 3.x's types) and
+# without the slow tests: the zoo's converted tokenizers need transformers 5, TransformerLens 2.x
+# runs on transformers 4.
 test-tl2:
-	$(MAKE) pytest VENV=.venv-tl2 TL=transformer-lens==2.18.0 CONSTRAINTS=requirements/tl2-constraints.txt
+	$(MAKE) pytest VENV=.venv-tl2 TL=transformer-lens==2.18.0 \
+		CONSTRAINTS=requirements/tl2-constraints.txt PYTEST_ARGS='-m "not slow"'
 
 docs: $(VENV)/.docs-installed $(TUTORIAL_PAGES)  # NO_MKDOCS_2_WARNING: silence the theme's end-of-life banner
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
