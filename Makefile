@@ -1,21 +1,23 @@
 # The two quick-start commands: `make report` (the main job) and `make test`.
 # Each sets up $(VENV) on first use, installing the CPU build of torch before anything that
-# would pull a multi-GB CUDA build. `make test-tl4` runs the suite again on TransformerLens 4.x.
+# would pull a multi-GB CUDA build. `make test-tl4` runs the suite again on TransformerLens 4.x,
+# `make test-tl2` on TransformerLens 2.x (its own pins: requirements/tl2-constraints.txt).
 PYTHON ?= python3
 VENV ?= .venv
 TL ?= transformer-lens==3.9.0
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
+CONSTRAINTS ?= requirements/dev-constraints.txt
 
-.PHONY: setup report demo test test-tl4 lint docs docs-serve
+.PHONY: setup report demo test test-tl4 test-tl2 pytest lint docs docs-serve
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml requirements/dev-constraints.txt
+$(VENV)/.installed: $(BIN)/python pyproject.toml $(CONSTRAINTS)
 	$(BIN)/pip install --quiet $(TORCH)
-	$(BIN)/pip install --quiet -e ".[dev]" "$(TL)" -c requirements/dev-constraints.txt
+	$(BIN)/pip install --quiet -e ".[dev]" "$(TL)" -c $(CONSTRAINTS)
 	touch $@
 
 setup: $(VENV)/.installed
@@ -46,11 +48,20 @@ lint: setup
 	$(BIN)/ruff format --check tl_connwalk tests
 	$(BIN)/mypy
 
-test: lint
-	$(BIN)/python -m pytest
+test: lint pytest
+
+pytest: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-tl4:
 	$(MAKE) test VENV=.venv-tl4 TL=transformer-lens==4.3.0
+
+# The suite without lint (ruff and mypy check the code against TransformerLens 3.x's types) and
+# without the slow tests: the zoo's converted tokenizers need transformers 5, TransformerLens 2.x
+# runs on transformers 4.
+test-tl2:
+	$(MAKE) pytest VENV=.venv-tl2 TL=transformer-lens==2.18.0 \
+		CONSTRAINTS=requirements/tl2-constraints.txt PYTEST_ARGS='-m "not slow"'
 
 docs: $(VENV)/.docs-installed $(TUTORIAL_PAGES)  # NO_MKDOCS_2_WARNING: silence the theme's end-of-life banner
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict

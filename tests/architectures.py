@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformer_lens import ActivationCache
 
+from tl_connwalk.adapters.versions import HAS_BRIDGE
 from tl_connwalk.toy import random_bridge
 
 try:
@@ -24,6 +25,10 @@ except ImportError:  # TransformerLens 4.x removed them
 HAS_HOOKED = HookedTransformer is not None
 hooked_only = pytest.mark.skipif(
     not HAS_HOOKED, reason="TransformerLens 4.x has no HookedTransformer"
+)
+
+bridge_only = pytest.mark.skipif(
+    not HAS_BRIDGE, reason="TransformerLens 2.x has no TransformerBridge"
 )
 
 #: (toy architecture, compatibility mode) pairs for TransformerBridge tests
@@ -123,7 +128,11 @@ def build(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> An
                 param.copy_(1 + 0.3 * torch.randn(param.shape, generator=generator))
             else:
                 param.copy_(0.2 * torch.randn(param.shape, generator=generator))
-    if processing is not None:
+    if processing is not None and not HAS_BRIDGE:
+        # TransformerLens 2.x swaps LN for LNPre in process_weights_, not in the state-dict call
+        model.process_weights_(**{k: v for k, v in processing.items() if k != "fold_value_biases"})
+        model.setup()  # the swapped norms' hook points
+    elif processing is not None:
         model.load_and_process_state_dict(model.state_dict(), **processing)
     return model if dtype == torch.float32 else model.to(dtype)
 

@@ -2,7 +2,7 @@ import re
 
 import pytest
 
-from tests.architectures import HAS_HOOKED
+from tests.architectures import HAS_HOOKED, bridge_only
 from tests.zoo.helpers import save_tiny
 from tl_connwalk.cli import main
 
@@ -25,6 +25,7 @@ def test_report_help_lists_every_option(capsys):
         assert option in out
 
 
+@bridge_only
 def test_report_on_a_toy_model(tmp_path, capsys):
     out = tmp_path / "toy"
     args = ["report", "--model", "toy-llama", "--max-tokens", "12", "--baseline-draws", "2",

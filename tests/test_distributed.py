@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import tl_connwalk
+from tests.architectures import bridge_only
 from tl_connwalk.toy import random_bridge
 
 WORLD = 2
@@ -17,6 +18,8 @@ WORLD = 2
 # rank 1 batch 1, so the merge must weight the batches by their sizes.
 TOKENS = torch.randint(0, 63, (5, 8), generator=torch.Generator().manual_seed(3))
 OPTIONS = {"batch_size": 2, "baseline_draws": 2, "layers": [0, -1], "progress": False}
+
+pytestmark = bridge_only  # every test here runs a Bridge, some in worker processes
 
 
 def _worker(rank: int, init_file: str, out_dir: str) -> None:

@@ -126,8 +126,7 @@ def test_messages_from_the_field():
     model = model_of("gpt2_ln")
     install(model)
     _, cache = model.run_with_cache(tokens())
-    ln1 = model.blocks[1].ln1
-    field = cache["blocks.1.ln1.hook_normalized"] * ln1.w + ln1.b
+    field = model.blocks[1].ln1(cache["blocks.1.hook_resid_pre"])  # the norm's own output
     expected = head_messages(field, model.W_V[1], model.b_V[1], model.W_O[1])
     assert_close(cache[hook_name(1, "messages")], expected)
 
@@ -535,7 +534,12 @@ def test_refuses_models_without_hook_dict_and_bad_names():
 
 def test_messages_refused_with_past_kv_cache_walk_works():
     """Generation with past_kv_cache: the walk sees the new queries; messages refuse clearly."""
-    from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
+    try:
+        from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
+    except ImportError:  # TransformerLens 2.x
+        from transformer_lens.past_key_value_caching import (
+            HookedTransformerKeyValueCache as TransformerLensKeyValueCache,
+        )
 
     model = model_of("gpt2_ln")
     install(model)

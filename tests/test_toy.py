@@ -2,10 +2,12 @@ import inspect
 
 import pytest
 
+from tests.architectures import bridge_only
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.toy import random_bridge
 
 
+@bridge_only
 def test_unknown_architecture_is_refused():
     with pytest.raises(
         ConnWalkError, match=r"unknown toy architecture 'mamba'; choose one of \('gpt2'"

@@ -28,8 +28,8 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
-from transformer_lens.model_bridge import TransformerBridge
 
+from tl_connwalk.adapters.versions import TransformerBridge, is_bridge
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.hooks import (
     HOOK_NAMES,
@@ -152,9 +152,9 @@ def _projection(attn: nn.Module) -> nn.Module:
 
 
 def _bridge(model: nn.Module) -> TransformerBridge:
-    if not isinstance(model, TransformerBridge):
+    if not is_bridge(model):
         raise ConnWalkError(f"expected a TransformerBridge, got {type(model).__name__}")
-    return model
+    return cast(TransformerBridge, model)
 
 
 def _installed(name: str, attn: nn.Module) -> bool:

@@ -46,8 +46,12 @@ import torch
 from einops import einsum
 from jaxtyping import Float
 from torch import Tensor, nn
-from transformer_lens import HookedRootModule
 from transformer_lens.hook_points import HookPoint
+
+try:
+    from transformer_lens import HookedRootModule
+except ImportError:  # TransformerLens 2.x keeps it in hook_points only
+    from transformer_lens.hook_points import HookedRootModule  # type: ignore[no-redef]
 
 from tl_connwalk.core.walk import patterns_from_walk, walk_and_gates
 from tl_connwalk.errors import ConnWalkError

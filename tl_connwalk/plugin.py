@@ -17,10 +17,10 @@ from typing import Any
 
 from torch import nn
 from transformer_lens import ActivationCache
-from transformer_lens.model_bridge import TransformerBridge
 
 from tl_connwalk import bridge_hooks, hooks
 from tl_connwalk.adapters import adapter_for
+from tl_connwalk.adapters.versions import is_bridge
 from tl_connwalk.analysis import geometry_table, layer_drift
 from tl_connwalk.cache import connection_walk, laplacian_residual, walk_matrix
 from tl_connwalk.errors import ConnWalkError
@@ -70,7 +70,7 @@ def _unregister_cache_methods() -> None:
 
 def _hooks_module(model: nn.Module) -> Any:
     """`tl_connwalk.bridge_hooks` for a ``TransformerBridge``, else `tl_connwalk.hooks`."""
-    return bridge_hooks if isinstance(model, TransformerBridge) else hooks
+    return bridge_hooks if is_bridge(model) else hooks
 
 
 def is_attached(model: nn.Module) -> bool:

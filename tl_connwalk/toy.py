@@ -20,8 +20,8 @@ from typing import Any, Literal, get_args
 import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformer_lens.model_bridge import TransformerBridge
 
+from tl_connwalk.adapters.versions import TransformerBridge, require_bridge
 from tl_connwalk.errors import ConnWalkError
 
 Architecture = Literal["gpt2", "llama", "gemma3", "bert"]
@@ -81,6 +81,7 @@ def random_bridge(
     unless asked: TransformerLens alone would pick a GPU where there is one). Weights are drawn
     on the CPU, so a seed gives the same model on every device.
     """
+    bridge_class = require_bridge("tl_connwalk.toy.random_bridge")
     if arch not in get_args(Architecture):
         raise ConnWalkError(
             f"unknown toy architecture {arch!r}; choose one of {get_args(Architecture)}."
@@ -101,7 +102,7 @@ def random_bridge(
         _tokenizer(folder)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            bridge = TransformerBridge.boot_transformers(
+            bridge = bridge_class.boot_transformers(
                 folder,
                 tokenizer=transformers.AutoTokenizer.from_pretrained(folder),
                 model_class=type(model),

@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 from rich.console import Console
 
+from tests.architectures import bridge_only
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.report import ReportConfig, figures, run_report
 from tl_connwalk.report.run import FILES, heatmap_layers
@@ -120,6 +121,7 @@ def test_heatmap_layers():
     assert heatmap_layers([3]) == [3]
 
 
+@bridge_only
 @pytest.mark.parametrize(
     ("options", "match"),
     [

@@ -17,13 +17,13 @@ import math
 import pytest
 import torch
 from einops import einsum
-from transformer_lens.model_bridge import TransformerBridge
 
 import tl_connwalk
 from tests.architectures import HAS_HOOKED
 from tests.tolerances import assert_close
 from tests.zoo.helpers import state_digest
 from tl_connwalk.ablations import zero_transport
+from tl_connwalk.adapters.versions import is_bridge
 from tl_connwalk.zoo import available, default_text, load
 
 pytestmark = pytest.mark.slow
@@ -43,10 +43,6 @@ SHORT_TEXTS = [
 def model(request: pytest.FixtureRequest):
     name, backend = request.param
     return load(name, backend=backend)
-
-
-def is_bridge(model) -> bool:
-    return isinstance(model, TransformerBridge)
 
 
 def short_tokens(model) -> torch.Tensor:

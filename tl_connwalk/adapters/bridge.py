@@ -16,9 +16,9 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 from transformer_lens import ActivationCache
-from transformer_lens.model_bridge import TransformerBridge
 
 from tl_connwalk.adapters.checks import batched, check_field, check_pattern
+from tl_connwalk.adapters.versions import TransformerBridge, is_bridge
 from tl_connwalk.adapters.weights import inferred_processing
 from tl_connwalk.walk import ConnectionWalk
 
@@ -26,7 +26,7 @@ NAME = "transformer_lens.model_bridge.TransformerBridge"
 
 
 def supports(model: nn.Module) -> bool:
-    return isinstance(model, TransformerBridge)
+    return is_bridge(model)
 
 
 def _bridge(model: nn.Module) -> TransformerBridge:

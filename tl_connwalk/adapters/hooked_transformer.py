@@ -4,8 +4,9 @@ Both classes exist in TransformerLens 3.x and were removed in 4.0; there ``suppo
 always false. The field ``x_j`` is exactly the vector the value projection reads:
 
 - LayerNorm folded (``LNPre``/``RMSPre``): ``blocks.{l}.ln1.hook_normalized``;
-- unfolded ``LN``/``RMS``: that times ``ln1.w`` (plus ``ln1.b``): the hook sits before the
-  affine part;
+- unfolded ``LN``/``RMS``: that times ``ln1.w`` (plus ``ln1.b``) where the hook sits before
+  the affine part (TransformerLens 3.x; 2.x's ``LayerNorm`` hooks after it, and the hook is
+  then the field as it is);
 - no normalisation, post-norm architectures (OLMo 2/3) and ``HookedEncoder`` (BERT
   normalises after each sublayer): ``blocks.{l}.hook_resid_pre``.
 
@@ -50,11 +51,18 @@ _HOOKED_TRANSFORMER: Any = _optional_class("HookedTransformer")
 _HOOKED_ENCODER: Any = _optional_class("HookedEncoder")
 _CLASSES: tuple[type, ...] = tuple(c for c in (_HOOKED_TRANSFORMER, _HOOKED_ENCODER) if c)
 
-_architectures = importlib.import_module("transformer_lens.utilities.architectures")
+
+def _post_norm_architectures() -> frozenset[str]:
+    """Architectures whose ln1 normalises the attention *output* (none before TransformerLens 3)."""
+    try:
+        architectures = importlib.import_module("transformer_lens.utilities.architectures")
+    except ImportError:  # TransformerLens 2.x: no post-norm decoders
+        return frozenset()
+    return frozenset(getattr(architectures, "POST_NORM_ARCHITECTURES", ()))
+
+
 #: Architectures whose ln1 normalises the attention *output*; their value input is the residual.
-POST_NORM_ARCHITECTURES: frozenset[str] = frozenset(
-    getattr(_architectures, "POST_NORM_ARCHITECTURES", ())
-)
+POST_NORM_ARCHITECTURES: frozenset[str] = _post_norm_architectures()
 
 
 def supports(model: nn.Module) -> bool:
@@ -116,11 +124,43 @@ def _value_input(cache: ActivationCache, model: nn.Module, layer: int) -> Tensor
     x = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
     ln1 = _hooked(model).blocks[layer].ln1
     weight, bias = getattr(ln1, "w", None), getattr(ln1, "b", None)
-    if name.endswith("hook_normalized") and isinstance(weight, Tensor):
+    if (
+        name.endswith("hook_normalized")
+        and isinstance(weight, Tensor)
+        and not _normalized_includes_affine(ln1)
+    ):
         x = x * weight.detach().to(x)
         if isinstance(bias, Tensor):
             x = x + bias.detach().to(x)
     return x
+
+
+_AFFINE_INSIDE_HOOK: dict[type, bool] = {}
+
+
+def _normalized_includes_affine(norm: nn.Module) -> bool:
+    """Whether ``norm.hook_normalized`` sees ``norm``'s output, affine part included.
+
+    TransformerLens 2.x's ``LayerNorm`` hooks ``x * w + b``; its ``RMSNorm`` and every 3.x norm
+    hook before the affine part. Found once per norm class by running it on one random row with
+    a plain forward hook on the hook point (nothing is added to the model's own hooks).
+    """
+    kind = type(norm)
+    if kind not in _AFFINE_INSIDE_HOOK:
+        seen: list[Tensor] = []
+        hook_point = cast(nn.Module, norm.hook_normalized)
+        handle = hook_point.register_forward_hook(lambda _m, _i, output: seen.append(output))
+        weight = cast(Tensor, norm.w)
+        try:
+            with torch.no_grad():
+                row = torch.randn(
+                    1, 1, weight.shape[-1], generator=torch.Generator().manual_seed(0)
+                )
+                output = norm(row.to(weight))
+        finally:
+            handle.remove()
+        _AFFINE_INSIDE_HOOK[kind] = bool(torch.equal(seen[0], output))
+    return _AFFINE_INSIDE_HOOK[kind]
 
 
 def pattern_from_cache(cache: ActivationCache, model: nn.Module, layer: int) -> Tensor:

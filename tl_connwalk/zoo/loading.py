@@ -17,6 +17,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from tl_connwalk.adapters.hooked_transformer import POST_NORM_ARCHITECTURES
+from tl_connwalk.adapters.versions import require_bridge
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.zoo.bars import progress_bars
 from tl_connwalk.zoo.convert import converted_dir
@@ -189,8 +191,6 @@ def _load_decoder(
 ) -> nn.Module:
     hooked_transformer = _hooked_class("HookedTransformer")  # before TL 3.x-only imports
     from transformer_lens import loading_from_pretrained as loading
-    from transformer_lens.utilities.activation_functions import softcap_enabled
-    from transformer_lens.utilities.architectures import POST_NORM_ARCHITECTURES
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     process = {k: options.get(k, v) for k, v in PROCESSING_DEFAULTS.items()}
@@ -216,15 +216,16 @@ def _load_decoder(
     # the guards HookedTransformer.from_pretrained applies before processing
     if cfg.original_architecture in POST_NORM_ARCHITECTURES:
         process["fold_ln"] = process["center_writing_weights"] = False
-    if softcap_enabled(cfg.output_logits_soft_cap):
+    if (cfg.output_logits_soft_cap or 0) > 0:  # a soft cap is on only when positive
         process["center_unembed"] = False
     state_dict = loading.get_pretrained_state_dict(tl_name, cfg, hf_model, dtype=dtype)
     del hf_model
+    padding = options.get("default_padding_side")  # TransformerLens 2.x refuses None
     model = hooked_transformer(
         cfg,
         tokenizer,
         move_to_device=False,
-        default_padding_side=options.get("default_padding_side"),
+        **({} if padding is None else {"default_padding_side": padding}),
     )
     model.load_and_process_state_dict(state_dict, **process)
     model.move_model_modules_to_device()
@@ -311,7 +312,6 @@ def _load_bridge(
     name: str, device: str | torch.device, dtype: torch.dtype, processing: dict[str, Any]
 ) -> nn.Module:
     """A ``TransformerBridge`` from a zoo name or a local Hugging Face directory."""
-    from transformer_lens.model_bridge import TransformerBridge
     from transformers import AutoTokenizer
 
     unknown = set(processing) - set(PROCESSING_DEFAULTS)
@@ -329,8 +329,9 @@ def _load_bridge(
         raise ConnWalkError(
             f"{name!r} is neither a zoo model {sorted(MODELS)} nor a local Hugging Face directory."
         )
+    bridge_class = require_bridge("backend='bridge'")
     options = {**PROCESSING_DEFAULTS, **processing}
-    bridge = TransformerBridge.boot_transformers(
+    bridge = bridge_class.boot_transformers(
         _tl_path(path), tokenizer=AutoTokenizer.from_pretrained(path), device=device, dtype=dtype
     )
     if any(options.values()):
