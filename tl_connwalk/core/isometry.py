@@ -28,6 +28,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from tl_connwalk.core import quartic
+from tl_connwalk.core.moments import Moments
 from tl_connwalk.core.quartic import QuarticRows, head_pairs
 from tl_connwalk.errors import ConnWalkError
 
@@ -100,8 +101,7 @@ def isometry_defect(sigma: Float[Tensor, "*batch singular"], rank: int) -> Float
     tensor(0.7071)
     """
     top = _top_singular_values(sigma, rank)
-    mean = reduce(top, "... rank -> ... 1", "mean")
-    spread = reduce((top - mean) ** 2, "... rank -> ...", "sum")
+    spread = Moments.of_weighted(top, torch.ones_like(top)).m2  # centred: equal values give 0
     return _ratio_defect(spread, reduce(top**2, "... rank -> ...", "sum"))
 
 
@@ -115,8 +115,7 @@ def gram_defect(sigma: Float[Tensor, "*batch singular"], rank: int) -> Float[Ten
     tensor(0.)
     """
     squares = _top_singular_values(sigma, rank) ** 2
-    mean = reduce(squares, "... rank -> ... 1", "mean")
-    spread = reduce((squares - mean) ** 2, "... rank -> ...", "sum")
+    spread = Moments.of_weighted(squares, torch.ones_like(squares)).m2
     return _ratio_defect(spread, reduce(squares**2, "... rank -> ...", "sum"))
 
 
@@ -968,14 +967,8 @@ def walk_weighted_cv(
     """
     weights, _ = _edge_weights(walk, check_flag(exclude_sink, "exclude_sink"), edges)
     values = _on_edges(weights, values)
-    total = reduce(weights, "batch query key -> batch 1 1", "sum")
-    p = torch.where(total > 0, weights / torch.where(total > 0, total, 1.0), 0.0)
-    mean = einsum(p, values, "batch query key, batch query key -> batch")
-    var = einsum(
-        p, (values - mean[:, None, None]) ** 2, "batch query key, batch query key -> batch"
-    )
-    safe = torch.where(mean != 0, mean, torch.ones_like(mean))
-    return torch.where(mean != 0, var.clamp_min(0.0).sqrt() / safe.abs(), torch.zeros_like(mean))
+    edge_axis = "batch query key -> batch (query key)"
+    return Moments.of_weighted(rearrange(values, edge_axis), rearrange(weights, edge_axis)).cv
 
 
 def effective_transport_defect(
