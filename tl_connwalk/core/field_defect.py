@@ -30,7 +30,7 @@ from tl_connwalk.core.isometry import (
     _edge_weights,
     _query_chunks,
     check_flag,
-    has_negative,
+    check_walk_nonnegative,
     working_dtype,
 )
 from tl_connwalk.core.moments import Moments
@@ -475,8 +475,7 @@ def head_field_isometry_defects(
     _check_chunk(query_chunk)
     rho = head_message_norm_ratios(field, W_V, W_O, grams=grams)  # [batch, key, head]
     walk_w, gates_w = walk.to(rho), gates.to(rho)
-    if has_negative(walk_w):
-        raise ConnWalkError("walk has negative entries; a walk matrix is >= 0 (spec §1).")
+    check_walk_nonnegative(walk_w)
     n_heads = gates.shape[1]
     # the value rho^h_j depends on the key only, so every walk-weighted sum over edges is a sum
     # over keys of column weights: no [batch, head, query, key] tensor beyond the gates

@@ -850,6 +850,32 @@ def has_negative(tensor: Tensor) -> bool:
     return tensor.numel() > 0 and bool(tensor.amin() < 0)
 
 
+def check_walk_nonnegative(walk: Float[Tensor, "batch query key"], name: str = "walk") -> None:
+    """A ConnWalkError unless every entry of ``walk`` is ``>= 0``, naming where it is not.
+
+    The message counts the negative entries and names the first one (batch, query, key and
+    value), so the row at fault can be found.
+
+    >>> check_walk_nonnegative(torch.tensor([[[1.0, 0.0], [0.5, -0.5]]]))
+    Traceback (most recent call last):
+    ...
+    tl_connwalk.errors.ConnWalkError: walk has 1 negative entry, the first at batch 0, query 1, ...
+    """
+    if not has_negative(walk):
+        return
+    negative = walk < 0
+    count, first = int(negative.sum()), negative.nonzero()[0].tolist()
+    where = ", ".join(
+        f"{axis} {i}" for axis, i in zip(("batch", "query", "key"), first, strict=True)
+    )
+    raise ConnWalkError(
+        f"{name} has {count} negative entr{'y' if count == 1 else 'ies'}, the first at {where} "
+        f"({walk[tuple(first)].item():.3g}); a walk matrix is >= 0 (spec §1): the head mean of "
+        "softmax attention patterns. Was a pattern edited (a hook on hook_pattern) or the walk "
+        "made by hand? Pass a walk of attention probabilities."
+    )
+
+
 def in_memory_order(tensor: Tensor) -> Tensor:
     """``tensor`` with its axes permuted into the order of its strides when that makes it
     contiguous (else as it is): for reductions whose result does not depend on the order,
@@ -894,8 +920,7 @@ def _edge_weights(walk: Tensor, exclude_sink: bool, edges: Tensor | None) -> tup
     if walk.ndim != 3:
         raise ConnWalkError(f"walk must be [batch, query, key], got {tuple(walk.shape)}.")
     weights = walk.to(working_dtype(walk))
-    if has_negative(weights):
-        raise ConnWalkError("walk has negative entries; a walk matrix is >= 0 (spec §1).")
+    check_walk_nonnegative(weights)
     if not exclude_sink and edges is None:
         has_mass = reduce(weights, "batch query key -> batch query", "sum") > 0
         return weights, reduce(has_mass.to(weights.dtype), "batch query -> batch", "sum")
