@@ -9,7 +9,7 @@ from torch import nn
 from transformer_lens import ActivationCache
 
 import tl_connwalk
-from tests.architectures import attention_output, bridge_tokens, build, tokens
+from tests.architectures import attention_output, bridge_tokens, build, hooked_only, tokens
 from tests.tolerances import assert_close
 from tl_connwalk.toy import random_bridge
 
@@ -160,10 +160,16 @@ def test_cache_from_another_model_is_named():
     )
     with pytest.raises(tl_connwalk.ConnWalkError, match=message):
         tl_connwalk.connection_walk(cache, 0, model=other)
+
+
+@hooked_only
+def test_a_cache_of_another_model_class_is_named():
+    _, cache = random_bridge("gpt2").run_with_cache(tokens())
     with pytest.raises(tl_connwalk.ConnWalkError, match="not the HookedTransformer"):
         tl_connwalk.walk_matrix(cache, 0, model=build("gpt2_ln"))
 
 
+@hooked_only
 def test_another_model_of_the_same_sizes_is_named_not_a_names_filter():
     """A cache of a model without LayerNorm lacks the normalised input another model reads:
     the cause is the model passed, not a names_filter."""
@@ -177,6 +183,7 @@ def test_another_model_of_the_same_sizes_is_named_not_a_names_filter():
         tl_connwalk.connection_walk(cache, 0, model=build("gpt2_ln"))
 
 
+@hooked_only
 def test_a_cache_without_its_model_is_matched_by_hook_names_and_shapes(gpt2):
     """Without ``cache.model``: hooks the model does not have, or a field of another width."""
     names = [n for n in gpt2.hook_dict if "mlp" in n or "hook_pattern" in n]
@@ -202,7 +209,9 @@ def test_a_cache_without_its_model_is_matched_by_hook_names_and_shapes(gpt2):
         tl_connwalk.connection_walk(ActivationCache(bridge_cache.cache_dict, None), 0, model=gpt2)
 
 
-@pytest.mark.parametrize("make", [build, random_bridge], ids=["hooked", "bridge"])
+@pytest.mark.parametrize(
+    "make", [pytest.param(build, marks=hooked_only), random_bridge], ids=["hooked", "bridge"]
+)
 def test_a_negative_pattern_names_layer_hook_head_and_place(make):
     model = make("gpt2_ln" if make is build else "gpt2")
     _, cache = model.run_with_cache(tokens())
