@@ -9,7 +9,7 @@ from torch import nn
 from transformer_lens import ActivationCache
 
 import tl_connwalk
-from tests.architectures import attention_output, bridge_tokens, build, tokens
+from tests.architectures import attention_output, bridge_tokens, build, hooked_only, tokens
 from tests.tolerances import assert_close
 from tl_connwalk.toy import random_bridge
 
@@ -143,13 +143,86 @@ def test_measurements_do_not_mutate_the_cache(gpt2):
         assert torch.equal(value, before[name]), name
 
 
+OTHER_MODEL_FIX = re.escape(
+    "Pass the model that made the cache, connection_walk(cache, layer, model=that_model), or "
+    "make a cache with this one: `_, cache = model.run_with_cache(tokens)`."
+)
+
+
 def test_cache_from_another_model_is_named():
+    """Another class or other sizes: both models are described, whatever hooks it holds."""
     _, cache = random_bridge("gpt2").run_with_cache(tokens())
     other = random_bridge("llama", n_heads=2, d_model=16)
-    with pytest.raises(
-        tl_connwalk.ConnWalkError, match="model has 2 heads: was this cache made by another model"
-    ):
+    message = (
+        r"this cache was made by another model, a TransformerBridge \(n_layers=2, d_model=32, "
+        r"n_heads=4, d_head=8\), not the TransformerBridge \(n_layers=2, d_model=16, n_heads=2, "
+        r"d_head=8\) passed\. " + OTHER_MODEL_FIX
+    )
+    with pytest.raises(tl_connwalk.ConnWalkError, match=message):
         tl_connwalk.connection_walk(cache, 0, model=other)
+
+
+@hooked_only
+def test_a_cache_of_another_model_class_is_named():
+    _, cache = random_bridge("gpt2").run_with_cache(tokens())
+    with pytest.raises(tl_connwalk.ConnWalkError, match="not the HookedTransformer"):
+        tl_connwalk.walk_matrix(cache, 0, model=build("gpt2_ln"))
+
+
+@hooked_only
+def test_another_model_of_the_same_sizes_is_named_not_a_names_filter():
+    """A cache of a model without LayerNorm lacks the normalised input another model reads:
+    the cause is the model passed, not a names_filter."""
+    _, cache = build("attn_only_no_norm").run_with_cache(tokens())
+    message = (
+        r"this cache was made by another model, a HookedTransformer \(n_layers=2, d_model=24, "
+        r"n_heads=4, d_head=4\), not the one passed \(same sizes\)\. It lacks "
+        r"\['blocks\.0\.ln1\.hook_normalized'\], which the model passed reads\. " + OTHER_MODEL_FIX
+    )
+    with pytest.raises(tl_connwalk.ConnWalkError, match=message):
+        tl_connwalk.connection_walk(cache, 0, model=build("gpt2_ln"))
+
+
+@hooked_only
+def test_a_cache_without_its_model_is_matched_by_hook_names_and_shapes(gpt2):
+    """Without ``cache.model``: hooks the model does not have, or a field of another width."""
+    names = [n for n in gpt2.hook_dict if "mlp" in n or "hook_pattern" in n]
+    _, filtered = gpt2.run_with_cache(tokens(), names_filter=names)
+    bare = ActivationCache(filtered.cache_dict, None)
+    other = build("attn_only_no_norm")
+    foreign = [name for name in filtered.cache_dict if name not in other.hook_dict]
+    assert foreign[0] == "blocks.0.mlp.hook_pre"
+    message = (
+        r"this cache was made by another model: it lacks \['blocks\.0\.hook_resid_pre'\], which "
+        r"this HookedTransformer \(n_layers=2, d_model=24, n_heads=4, d_head=4\) needs, and "
+        rf"holds {len(foreign)} hooks that this model does not have "
+        r"\(blocks\.0\.mlp\.hook_pre, .*\)\. " + OTHER_MODEL_FIX
+    )
+    with pytest.raises(tl_connwalk.ConnWalkError, match=message):
+        tl_connwalk.connection_walk(bare, 0, model=other)
+    _, bridge_cache = random_bridge("gpt2").run_with_cache(tokens())
+    with pytest.raises(
+        tl_connwalk.ConnWalkError,
+        match=r"blocks\.0\.ln1\.hook_normalized has shape \(2, 9, 32\) \[batch, pos, d_model\] but "
+        r"the model has d_model=24 .*was this cache made by another model\?",
+    ):
+        tl_connwalk.connection_walk(ActivationCache(bridge_cache.cache_dict, None), 0, model=gpt2)
+
+
+@pytest.mark.parametrize(
+    "make", [pytest.param(build, marks=hooked_only), random_bridge], ids=["hooked", "bridge"]
+)
+def test_a_negative_pattern_names_layer_hook_head_and_place(make):
+    model = make("gpt2_ln" if make is build else "gpt2")
+    _, cache = model.run_with_cache(tokens())
+    cache.cache_dict["blocks.1.attn.hook_pattern"][1, 2, 4, 1] = -0.5
+    message = (
+        r"layer 1: blocks\.1\.attn\.hook_pattern has negative entries in heads \[2\], the first "
+        r"at batch 1, head 2, query 4, key 1 \(-0\.5\); attention patterns are probabilities "
+        r">= 0 .*\(spec §1\)\. Was the pattern edited by a hook\? Run the cache without that hook"
+    )
+    with pytest.raises(tl_connwalk.ConnWalkError, match=message):
+        tl_connwalk.connection_walk(cache, 1)
 
 
 def test_nan_pattern_names_layer_and_head(gpt2):

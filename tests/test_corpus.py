@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import tl_connwalk
+from tests.tolerances import cancelling_atol, rtol
 from tl_connwalk.corpus import token_windows
 from tl_connwalk.toy import random_bridge
 
@@ -22,7 +23,9 @@ def test_one_batch_is_the_geometry_table(model):
     _, cache = model.run_with_cache(tokens)
     direct = tl_connwalk.geometry_table(cache, baseline_draws=2, progress=False)
     columns = [c for c in direct.columns if c not in ("mu_kind", "head")]
-    pd.testing.assert_frame_equal(streamed[columns], direct[columns], check_exact=False, rtol=1e-5)
+    pd.testing.assert_frame_equal(
+        streamed[columns], direct[columns], check_exact=False, rtol=rtol(torch.float32)
+    )
     assert (streamed["n_sequences"] == 4).all()
     assert (streamed["transport_defect_batch_std"].fillna(0) == 0).all()
 
@@ -34,7 +37,9 @@ def test_batches_average_to_the_whole(model):
     for column in ("stochasticity", "reversibility", "transport_defect", "scale", "field_defect"):
         torch.testing.assert_close(
             torch.tensor(streamed[column].to_numpy()), torch.tensor(whole[column].to_numpy()),
-            rtol=1e-5, atol=1e-6, equal_nan=True,
+            # float32 per sequence, in batches of other shapes; defects near 0 are square
+            # roots of cancelling differences
+            rtol=rtol(torch.float32), atol=cancelling_atol(torch.float32), equal_nan=True,
         )  # fmt: skip
     assert (streamed[streamed["head"] == "all"]["transport_defect_batch_std"] > 0).any()
 

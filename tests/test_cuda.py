@@ -1,10 +1,11 @@
 """The library on a CUDA device: the walk is exact there and every measurement equals the CPU's.
 
 Skipped where there is no CUDA device (CI has none); ``benchmarks/gpu.py`` runs this module
-on a GPU machine before its timings. Tolerances: the walk identity as everywhere
-(`tests.tolerances`, float32 2e-6 of the largest entry); CPU against CUDA, where both sides
-sum in other orders (cuBLAS against the CPU's BLAS), 1e-4 relative plus 1e-6 absolute per
-value (defects lie in [0, 1]). The baselines are not compared across devices: each device
+on a GPU machine before its timings. Tolerances (`tests.tolerances`): the walk identity as
+everywhere, relative to the largest entry; CPU against CUDA, where both sides sum in other
+orders (cuBLAS against the CPU's BLAS), float32's ``rtol`` relative plus its
+``cancelling_atol`` absolute per value (defects lie in [0, 1] and near 0 are square roots of
+cancelling differences). The baselines are not compared across devices: each device
 draws from its own generator (`torch.Generator(device=...)`), so they are checked on CUDA
 against the slow per-measurement reference instead (`tests.core.test_draws`).
 """
@@ -26,7 +27,7 @@ from tests.architectures import (
 )
 from tests.core.problems import Problem, random_problem
 from tests.core.test_draws import ATOL, KEYED, field_reference, reference_baselines, residual_of
-from tests.tolerances import assert_close
+from tests.tolerances import assert_close, cancelling_atol, rtol
 from tl_connwalk import LaplacianResidual
 from tl_connwalk.core import draws
 from tl_connwalk.report.measure import output_hook
@@ -66,7 +67,12 @@ def _differences(expected: LaplacianResidual, got: LaplacianResidual) -> list[st
     return [
         f"{key}: expected {want[key]!r}, got {have[key]!r}"
         for key in want
-        if not math.isclose(want[key], have[key], rel_tol=1e-4, abs_tol=1e-6)
+        if not math.isclose(
+            want[key],
+            have[key],
+            rel_tol=rtol(torch.float32),
+            abs_tol=cancelling_atol(torch.float32),
+        )
     ]
 
 
@@ -114,7 +120,7 @@ def test_baselines_on_cuda_equal_fresh_draws_per_measurement(dtype, exclude_sink
 def test_field_draws_through_the_keys_factor_on_cuda_equal_explicit_value_factors(exclude_sink):
     """The keys' route on CUDA (`draws.key_factor`, `draws.key_draws`, CUDA generators):
     the field baseline equals the slow measurement of the Gaussian value factors it stands
-    for, built on CUDA (`tests.core.test_draws.field_reference`); float64, 1e-10."""
+    for, built on CUDA (`tests.core.test_draws.field_reference`); float64, ``ATOL``."""
     draws.raw_draws.cache_clear()
     draws.key_draws.cache_clear()
     p = random_problem(seed=4, **KEYED)
@@ -123,7 +129,9 @@ def test_field_draws_through_the_keys_factor_on_cuda_equal_explicit_value_factor
     res = residual_of(p, baseline_draws=3, seed=11, exclude_sink=exclude_sink)
     expected = field_reference(p, 3, 11, exclude_sink)
     assert res.baseline["field_defect"].draws.device.type == CUDA.type
-    torch.testing.assert_close(res.baseline["field_defect"].draws, expected, atol=1e-10, rtol=0)
+    torch.testing.assert_close(
+        res.baseline["field_defect"].draws, expected, atol=ATOL[torch.float64], rtol=0
+    )
 
 
 def test_wide_edge_blocks_on_cuda_equal_the_cpu():

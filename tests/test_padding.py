@@ -20,14 +20,14 @@ import torch
 import tl_connwalk
 from tests.architectures import HAS_HOOKED, bridge_tokens, build, cached_bridge, hooked_only
 from tests.architectures import tokens as hooked_tokens
-from tests.tolerances import RTOL
+from tests.tolerances import rtol
 from tl_connwalk import ConnWalkError
 from tl_connwalk.cache import n_layers_of
 from tl_connwalk.report.measure import measure
 
 N_POS, SHORT = 7, 4
 #: float32 sums over a few dozen terms, renormalised rows: a few ulps of the largest value
-TOL = 8 * RTOL[torch.float32]
+TOL = 8 * rtol(torch.float32)
 
 
 def padded_batch(toks: torch.Tensor, side: str) -> tuple[torch.Tensor, slice]:

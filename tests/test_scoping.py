@@ -14,7 +14,7 @@ from einops import einsum
 import tl_connwalk
 from tests.architectures import HAS_HOOKED, bridge_tokens
 from tests.architectures import tokens as hooked_tokens
-from tests.tolerances import RTOL
+from tests.tolerances import rtol
 from tl_connwalk import ConnWalkError
 
 HEADS = [0, 2]
@@ -87,7 +87,7 @@ def test_a_head_subset_and_an_edge_mask_against_a_walk_built_from_those_heads(
     edges = previous.expand(2, n, n) if masked else torch.ones(2, n, n, dtype=torch.bool)
     res = walk.laplacian_residual(heads=HEADS, edges=edges if masked else None, baseline_draws=2)
     defect, scale, eps = reference_subset(walk, pattern, HEADS, edges)
-    tol = 50 * RTOL[torch.float32]
+    tol = 50 * rtol(torch.float32)
     torch.testing.assert_close(res.transport_defect.double(), defect, atol=tol, rtol=0)
     torch.testing.assert_close(res.scale.double(), scale, atol=tol, rtol=tol)
     assert res.heads == tuple(HEADS) and res.edges_masked == masked

@@ -6,7 +6,7 @@ methods; `tl_connwalk.attach` also registers them as cache methods
 plain ``ActivationCache`` objects TransformerLens builds internally (``apply_slice_to_batch_dim``).
 """
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -143,21 +143,65 @@ def _checked(
     the layer's walk is built from (only its patterns with ``patterns_only``) on one device."""
     model = _model_of(cache, model)
     adapter = adapter_for(model)
+    cache = cast(ActivationCache, cache)
+    _check_made_by(cache, model, None)
     layer = resolve_layer(adapter, model, layer)
     needed = adapter.required_hooks(model, layer)[: 1 if patterns_only else None]
-    cache = cast(ActivationCache, cache)
     missing = [name for name in needed if name not in cache.cache_dict]
     if missing:
+        _check_made_by(cache, model, missing)
         what = "walk matrix" if patterns_only else "connection walk"
         raise ConnWalkError(
             f"the cache lacks {missing}, which the {what} of layer {layer} is built from "
-            "(a names_filter left them out?). Re-run with e.g.\n"
+            "(a names_filter left them out, or the cache is another model's?). Re-run with e.g.\n"
             f"    model.run_with_cache(tokens, names_filter={needed!r})\n"
             "or names_filter=tl_connwalk.required_hooks(model) for every layer."
         )
     weights = [] if patterns_only else _attention_weights(model, layer)
     check_layer_devices(layer, {name: cache.cache_dict[name] for name in needed}, weights)
     return model, adapter, layer
+
+
+def _describe(model: nn.Module) -> str:
+    """``model``'s class and the sizes that fix its cache's hook names and shapes."""
+    cfg = getattr(model, "cfg", None)
+    sizes = ", ".join(f"{key}={getattr(cfg, key, '?')}" for key in _SIZES)
+    return f"{type(model).__name__} ({sizes})"
+
+
+_SIZES = ("n_layers", "d_model", "n_heads", "d_head")
+_OTHER_MODEL_FIX = (
+    "Pass the model that made the cache, connection_walk(cache, layer, model=that_model), or "
+    "make a cache with this one: `_, cache = model.run_with_cache(tokens)`."
+)
+
+
+def _check_made_by(cache: ActivationCache, model: nn.Module, missing: list[str] | None) -> None:
+    """A ConnWalkError when ``cache`` cannot come from ``model``: its own model
+    (``cache.model``) has another class or other sizes, or hooks the walk needs are
+    ``missing`` and the cache was made by another model object or holds hook names that
+    ``model`` does not have. Else a missing hook was left out by a ``names_filter``."""
+    made_by = getattr(cache, "model", None)
+    if isinstance(made_by, nn.Module) and made_by is not model:
+        theirs, ours = _describe(made_by), _describe(model)
+        if theirs != ours or missing:
+            passed = f"the {ours} passed" if theirs != ours else "the one passed (same sizes)"
+            lacks = "" if not missing else f" It lacks {missing}, which the model passed reads."
+            raise ConnWalkError(
+                f"this cache was made by another model, a {theirs}, not {passed}.{lacks} "
+                f"{_OTHER_MODEL_FIX}"
+            )
+    hook_dict = getattr(model, "hook_dict", None)
+    if missing is None or not isinstance(hook_dict, Mapping):
+        return
+    foreign = [name for name in cache.cache_dict if name not in hook_dict]
+    if foreign:
+        shown = ", ".join(foreign[:3]) + ("" if len(foreign) <= 3 else ", ...")
+        raise ConnWalkError(
+            f"this cache was made by another model: it lacks {missing}, which this "
+            f"{_describe(model)} needs, and holds {len(foreign)} hooks that this model does not "
+            f"have ({shown}). {_OTHER_MODEL_FIX}"
+        )
 
 
 def _attention_weights(model: nn.Module, layer: int) -> list[tuple[str, Tensor]]:

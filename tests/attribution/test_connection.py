@@ -17,15 +17,18 @@ from tests.architectures import (
     tokens,
 )
 from tests.attribution import reference
-from tests.tolerances import RTOL
+from tests.tolerances import rtol
 from tl_connwalk import Attribution
+
+FROZEN_TERMS = 1024
 
 
 def assert_exact(actual: torch.Tensor, expected: torch.Tensor, result: Attribution) -> None:
     """Equal to the dtype's relative tolerance times the size of the sum that makes the target,
-    ``sum_s |c_s| + |b|`` (every term carries rounding of that size)."""
+    ``sum_s |c_s| + |b|`` (every term carries rounding of that size); ``FROZEN_TERMS``: the
+    frozen network's longest chains of sums (residual-width products over every layer)."""
     size = result.scores.abs().sum(-1).max() + result.bias.abs().max()
-    atol = RTOL[actual.dtype] * size.item()
+    atol = rtol(actual.dtype, FROZEN_TERMS) * size.item()
     torch.testing.assert_close(actual, expected.to(actual), rtol=0, atol=atol)
 
 

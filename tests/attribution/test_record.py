@@ -6,14 +6,15 @@ import torch
 import tl_connwalk
 from tests.architectures import build, cached_bridge, hooked_only, tokens
 from tests.attribution import reference
-from tests.tolerances import RTOL
+from tests.attribution.test_connection import FROZEN_TERMS
+from tests.tolerances import rtol
 from tl_connwalk import Attribution
 
 
 def tolerance(result: Attribution) -> float:
     """The dtype's relative tolerance times the size of the sum that makes the target."""
     size = result.scores.abs().sum(-1).max() + result.bias.abs().max()
-    return RTOL[result.scores.dtype] * size.item()
+    return rtol(result.scores.dtype, FROZEN_TERMS) * size.item()
 
 
 @pytest.mark.parametrize(

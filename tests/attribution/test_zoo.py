@@ -9,7 +9,8 @@ import torch
 import tl_connwalk
 from tests.architectures import hooked_only
 from tests.attribution import reference
-from tests.tolerances import RTOL
+from tests.attribution.test_connection import FROZEN_TERMS
+from tests.tolerances import rtol
 from tl_connwalk.zoo import default_text, load
 
 pytestmark = [pytest.mark.slow, hooked_only]
@@ -22,7 +23,7 @@ def test_zoo_model_complete_and_equal_to_the_frozen_network(name):
     tokens = (tokens[0] if isinstance(tokens, tuple) else tokens)[:, :24]
     result = tl_connwalk.attribute(model, tokens, position=12)
     size = (result.scores.abs().sum(-1) + result.bias.abs()).max().item()
-    atol = RTOL[result.scores.dtype] * size * 10  # float32 sums over 6-30 real layers
+    atol = rtol(result.scores.dtype, FROZEN_TERMS) * size * 10  # float32, 6-30 real layers
     torch.testing.assert_close(
         result.scores.sum(-1) + result.bias, result.target_value, rtol=0, atol=atol
     )

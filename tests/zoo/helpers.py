@@ -9,6 +9,7 @@ import transformers
 from torch import nn
 
 import tl_connwalk
+from tests.tolerances import rtol
 from tl_connwalk.toy import _hf_model, _tokenizer
 from tl_connwalk.zoo.registry import ModelSpec, Wheel
 
@@ -89,6 +90,15 @@ def identity_errors(model: nn.Module, cache, outputs: dict[int, torch.Tensor]) -
         rebuilt = walk.apply() + walk.bias()
         errors.append(((rebuilt - expected).abs().max() / expected.abs().max()).item())
     return errors
+
+
+def identity_rtol(model: nn.Module, cache) -> float:
+    """The float32 tolerance of `identity_errors`: each output entry is a chain of sums over
+    ``d_model`` (the values), ``d_head`` (the output map) and the heads times the keys (the
+    walk), so ``rtol(float32, d_model + H (d_head + n_keys))``."""
+    n_keys = cache["blocks.0.attn.hook_pattern"].shape[-1]
+    cfg = model.cfg
+    return rtol(torch.float32, cfg.d_model + cfg.n_heads * (cfg.d_head + n_keys))
 
 
 def state_digest(model: nn.Module) -> str:

@@ -10,7 +10,7 @@ import transformer_lens
 import tl_connwalk
 from tests.architectures import HAS_HOOKED, hooked_only
 from tests.tolerances import assert_close
-from tests.zoo.helpers import attention_outputs, identity_errors, save_tiny
+from tests.zoo.helpers import attention_outputs, identity_errors, identity_rtol, save_tiny
 from tests.zoo.test_convert import tiny_bert_wheel
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.zoo import load
@@ -97,7 +97,7 @@ def test_local_grouped_query_decoder(tmp_path, fold_ln):
     # center_unembed shifts each position's logits by a constant: compare log-probabilities
     assert_close(logits.log_softmax(-1), expected.log_softmax(-1), dtype=torch.bfloat16)
     cache, outputs = attention_outputs(model, TOKENS)
-    assert max(identity_errors(model, cache, outputs)) < 2e-6
+    assert max(identity_errors(model, cache, outputs)) < identity_rtol(model, cache)
 
 
 @hooked_only
@@ -131,7 +131,7 @@ def test_encoder_from_a_bert_model_wheel(tmp_path):
         expected = bert(TOKENS).last_hidden_state
     assert_close(cache["blocks.1.hook_normalized_resid_post"], expected)
     cache, outputs = attention_outputs(model, TOKENS)
-    assert max(identity_errors(model, cache, outputs)) < 2e-6
+    assert max(identity_errors(model, cache, outputs)) < identity_rtol(model, cache)
     walk = tl_connwalk.connection_walk(cache, 0)
     assert_close(walk.walk.sum(-1), torch.ones(1, TOKENS.shape[1]))
     with pytest.raises(ConnWalkError, match="HookedEncoder takes no load options"):

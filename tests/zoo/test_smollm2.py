@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.architectures import hooked_only
 from tests.tolerances import assert_close
-from tests.zoo.helpers import attention_outputs, identity_errors
+from tests.zoo.helpers import attention_outputs, identity_errors, identity_rtol
 from tl_connwalk.zoo import MODELS, default_text, hf_dir, load
 
 pytestmark = [pytest.mark.slow, hooked_only]
@@ -66,7 +66,7 @@ def test_identity_on_every_layer(model, tokens):
     cache, outputs = attention_outputs(model, tokens[:, :256])
     errors = identity_errors(model, cache, outputs)
     assert len(errors) == 30
-    assert max(errors) < 2e-6
+    assert max(errors) < identity_rtol(model, cache)
     for layer in (0, 29):
         assert_close(outputs[layer], cache[f"blocks.{layer}.hook_attn_out"])
 

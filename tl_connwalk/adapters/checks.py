@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import Tensor
 
-from tl_connwalk.core.isometry import all_finite
+from tl_connwalk.core.isometry import all_finite, has_negative
 from tl_connwalk.errors import ConnWalkError
 
 
@@ -40,13 +40,27 @@ def check_pattern(pattern: Tensor, name: str, layer: int, n_heads: int) -> None:
         )
     if pattern.is_meta:  # no values to check (a meta stand-in for a device)
         return
-    if all_finite(pattern):
-        return
-    heads = (~torch.isfinite(pattern)).flatten(2).any(-1).any(0).nonzero().flatten().tolist()
-    raise ConnWalkError(
-        f"layer {layer}: {name} holds NaN or Inf in heads {heads}; the walk is undefined there. "
-        "Check the model's weights and dtype (float16 overflow?) or a hook that edited it."
-    )
+    if not all_finite(pattern):
+        heads = _heads_where(~torch.isfinite(pattern))
+        raise ConnWalkError(
+            f"layer {layer}: {name} holds NaN or Inf in heads {heads}; the walk is undefined "
+            "there. Check the model's weights and dtype (float16 overflow?) or a hook that "
+            "edited it."
+        )
+    if has_negative(pattern):
+        negative = pattern < 0
+        b, h, i, j = negative.nonzero()[0].tolist()
+        raise ConnWalkError(
+            f"layer {layer}: {name} has negative entries in heads {_heads_where(negative)}, the "
+            f"first at batch {b}, head {h}, query {i}, key {j} ({pattern[b, h, i, j].item():.3g})"
+            "; attention patterns are probabilities >= 0 and the walk is their head mean "
+            "(spec §1). Was the pattern edited by a hook? Run the cache without that hook."
+        )
+
+
+def _heads_where(flags: Tensor) -> list[int]:
+    """The heads (axis 1 of ``[batch, head, query, key]``) with any flagged entry."""
+    return flags.flatten(2).any(-1).any(0).nonzero().flatten().tolist()
 
 
 def check_field(field: Tensor, name: str, d_model: int, n_pos: int) -> None:

@@ -108,7 +108,9 @@ def processing(model: nn.Module, layer: int) -> dict[str, bool]:
     }
 
 
-def _value_input(cache: ActivationCache, model: nn.Module, layer: int) -> Tensor:
+def _value_input(cache: ActivationCache, model: nn.Module, layer: int, n_pos: int) -> Tensor:
+    """The field the layer's values read, checked against the model's width and the pattern's
+    ``n_pos`` positions before the LayerNorm's weight meets it."""
     name = _field_hook(model, layer)
     cfg = _hooked(model).cfg
     per_head = name.endswith("hook_normalized") and (cfg.use_split_qkv_input or cfg.use_attn_in)
@@ -121,6 +123,7 @@ def _value_input(cache: ActivationCache, model: nn.Module, layer: int) -> Tensor
                 "heads do not read one common field and there is no single connection walk."
             )
         x = x[:, :, 0]
+    check_field(x, name, cfg.d_model, n_pos)
     x = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
     ln1 = _hooked(model).blocks[layer].ln1
     weight, bias = getattr(ln1, "w", None), getattr(ln1, "b", None)
@@ -174,9 +177,7 @@ def pattern_from_cache(cache: ActivationCache, model: nn.Module, layer: int) -> 
 def walk_from_cache(cache: ActivationCache, model: nn.Module, layer: int) -> ConnectionWalk:
     """Layer ``layer``'s connection walk from a cache of ``model`` (hooks checked by the caller)."""
     pattern = pattern_from_cache(cache, model, layer)
-    cfg = _hooked(model).cfg
-    field = _value_input(cache, model, layer)
-    check_field(field, _field_hook(model, layer), cfg.d_model, pattern.shape[-1])
+    field = _value_input(cache, model, layer, pattern.shape[-1])
     attn = _hooked(model).blocks[layer].attn
     # grouped-query attention keeps one value head per key-value head: the walk expands them
     names = ("_W_V", "_b_V") if hasattr(attn, "_W_V") else ("W_V", "b_V")

@@ -30,9 +30,10 @@ from tl_connwalk.core.isometry import (
     _edge_weights,
     _query_chunks,
     check_flag,
-    has_negative,
+    check_walk_nonnegative,
     working_dtype,
 )
+from tl_connwalk.core.moments import Moments
 from tl_connwalk.errors import ConnWalkError
 
 
@@ -398,13 +399,13 @@ def field_isometry_defects(
 
     Family ``f`` is given by its `message_grams` ``grams[f]`` (a layer and its random draws,
     say): the gates are read once per chunk of queries for every family, and each chunk's
-    ``rho`` is added into running float64 sums ``sum p rho`` and ``sum p rho^2`` (the
-    spread ``E[rho^2] - E[rho]^2`` then loses about ``1e-16 / CV^2`` of itself: nothing at
-    float32's precision), so no ``[batch, n, n]`` tensor of ratios is kept. The field's norms
-    and ``H^2`` are folded into the Grams first (`_ratio_grams`). Time
-    ``O(batch n^2 family H^2)``, memory the walk's size plus one chunk. ``edges``
-    ``[batch, query, key]`` keeps only those edges (rows renormalised over them, as
-    ``exclude_sink``), e.g. `tl_connwalk.core.padding.scope`'s.
+    ``rho`` is summarised by its float64 weighted mean and centred spread
+    (`tl_connwalk.core.moments.Moments`, two passes over the chunk), merged chunk by chunk
+    with Chan's update: no ``E[rho^2] - E[rho]^2`` cancellation, so equal ratios give 0
+    exactly, and no ``[batch, n, n]`` tensor of ratios is kept. The field's norms and ``H^2``
+    are folded into the Grams first (`_ratio_grams`). Time ``O(batch n^2 family H^2)``, memory
+    the walk's size plus one chunk. ``edges`` ``[batch, query, key]`` keeps only those edges
+    (rows renormalised over them, as ``exclude_sink``), e.g. `tl_connwalk.core.padding.scope`'s.
 
     >>> A = torch.softmax(torch.randn(1, 2, 4, 4), -1)
     >>> grams = message_grams(torch.randn(1, 4, 8), torch.randn(2, 8, 4), torch.randn(2, 4, 8))
@@ -426,25 +427,24 @@ def field_isometry_defects(
     if edges is not None:
         kept = edges if kept is None else kept & edges.to(kept.device)
     weights, _ = _edge_weights(walk, exclude_sink, kept)
-    # the sums run in float64 (chunk by chunk: no float64 copy of the walk), so the spread
-    # E[rho^2] - E[rho]^2 keeps float32's precision
+    # the moments run in float64 (chunk by chunk: no float64 copy of the walk)
     weights = weights.to(gates.device)
-    total = weights.sum((-2, -1), dtype=torch.float64)
-    sums = gates.new_zeros(2, grams.shape[0], grams.shape[1], dtype=torch.float64)
+    empty = gates.new_zeros(grams.shape[:2], dtype=torch.float64)
+    moments = Moments(count=empty, mean=empty, m2=empty)
     scaled = _ratio_grams(grams, field)
     for rows, keys, rho_sq in _chunk_norms_sq(gates, scaled, query_chunk, walk):
         weight = weights[:, rows, :keys]
         rho = rho_sq.clamp_min_(0.0).sqrt_()
         rho = torch.where(weight > 0, rho, 0.0)  # no value off the walk, not even a NaN
-        weighted = weight.to(torch.float64) * rho
-        sums[0] += reduce(weighted, "family batch query key -> family batch", "sum")
-        sums[1] += reduce(weighted.mul_(rho), "family batch query key -> family batch", "sum")
-    has_mass = total > 0
-    mean, second = sums / torch.where(has_mass, total, 1.0)
-    spread = (second - mean.square()).clamp_min(0.0).sqrt()
-    safe = torch.where(mean != 0, mean, torch.ones_like(mean))
-    defect = torch.where(has_mass & (mean != 0), spread / safe.abs(), 0.0)
-    return defect.to(working_dtype(field, gates, grams))
+        moments = moments.merge(
+            Moments.of_weighted(
+                rearrange(
+                    rho.to(torch.float64), "family batch query key -> family batch (query key)"
+                ),
+                rearrange(weight.to(torch.float64), "batch query key -> batch (query key)"),
+            )
+        )
+    return moments.cv.to(working_dtype(field, gates, grams))
 
 
 def head_field_isometry_defects(
@@ -482,8 +482,7 @@ def head_field_isometry_defects(
     _check_chunk(query_chunk)
     rho = head_message_norm_ratios(field, W_V, W_O, grams=grams)  # [batch, key, head]
     walk_w, gates_w = walk.to(rho), gates.to(rho)
-    if has_negative(walk_w):
-        raise ConnWalkError("walk has negative entries; a walk matrix is >= 0 (spec §1).")
+    check_walk_nonnegative(walk_w)
     n_heads = gates.shape[1]
     # the value rho^h_j depends on the key only, so every walk-weighted sum over edges is a sum
     # over keys of column weights: no [batch, head, query, key] tensor beyond the gates
@@ -511,10 +510,5 @@ def head_field_isometry_defects(
             )
         column += reduce(pattern, "batch head query key -> batch head key", "sum")
     column = column * keys_w[:, None, :]
-    total = reduce(column, "batch head key -> batch head 1", "sum")
-    p = torch.where(total > 0, column / torch.where(total > 0, total, 1.0), 0.0)
     values = rearrange(rho, "batch key head -> batch head key")
-    mean = einsum(p, values, "batch head key, batch head key -> batch head")
-    var = einsum(p, (values - mean[..., None]) ** 2, "batch head key, batch head key -> batch head")
-    safe = torch.where(mean != 0, mean, torch.ones_like(mean))
-    return torch.where(mean != 0, var.clamp_min(0.0).sqrt() / safe.abs(), torch.zeros_like(mean))
+    return Moments.of_weighted(values, column).cv

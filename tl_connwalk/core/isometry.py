@@ -28,6 +28,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from tl_connwalk.core import quartic, value_heads
+from tl_connwalk.core.moments import Moments
 from tl_connwalk.core.quartic import QuarticRows, head_pairs
 from tl_connwalk.errors import ConnWalkError
 
@@ -100,8 +101,7 @@ def isometry_defect(sigma: Float[Tensor, "*batch singular"], rank: int) -> Float
     tensor(0.7071)
     """
     top = _top_singular_values(sigma, rank)
-    mean = reduce(top, "... rank -> ... 1", "mean")
-    spread = reduce((top - mean) ** 2, "... rank -> ...", "sum")
+    spread = Moments.of_weighted(top, torch.ones_like(top)).m2  # centred: equal values give 0
     return _ratio_defect(spread, reduce(top**2, "... rank -> ...", "sum"))
 
 
@@ -115,8 +115,7 @@ def gram_defect(sigma: Float[Tensor, "*batch singular"], rank: int) -> Float[Ten
     tensor(0.)
     """
     squares = _top_singular_values(sigma, rank) ** 2
-    mean = reduce(squares, "... rank -> ... 1", "mean")
-    spread = reduce((squares - mean) ** 2, "... rank -> ...", "sum")
+    spread = Moments.of_weighted(squares, torch.ones_like(squares)).m2
     return _ratio_defect(spread, reduce(squares**2, "... rank -> ...", "sum"))
 
 
@@ -868,6 +867,32 @@ def has_negative(tensor: Tensor) -> bool:
     return tensor.numel() > 0 and bool(tensor.amin() < 0)
 
 
+def check_walk_nonnegative(walk: Float[Tensor, "batch query key"], name: str = "walk") -> None:
+    """A ConnWalkError unless every entry of ``walk`` is ``>= 0``, naming where it is not.
+
+    The message counts the negative entries and names the first one (batch, query, key and
+    value), so the row at fault can be found.
+
+    >>> check_walk_nonnegative(torch.tensor([[[1.0, 0.0], [0.5, -0.5]]]))
+    Traceback (most recent call last):
+    ...
+    tl_connwalk.errors.ConnWalkError: walk has 1 negative entry, the first at batch 0, query 1, ...
+    """
+    if not has_negative(walk):
+        return
+    negative = walk < 0
+    count, first = int(negative.sum()), negative.nonzero()[0].tolist()
+    where = ", ".join(
+        f"{axis} {i}" for axis, i in zip(("batch", "query", "key"), first, strict=True)
+    )
+    raise ConnWalkError(
+        f"{name} has {count} negative entr{'y' if count == 1 else 'ies'}, the first at {where} "
+        f"({walk[tuple(first)].item():.3g}); a walk matrix is >= 0 (spec §1): the head mean of "
+        "softmax attention patterns. Was a pattern edited (a hook on hook_pattern) or the walk "
+        "made by hand? Pass a walk of attention probabilities."
+    )
+
+
 def in_memory_order(tensor: Tensor) -> Tensor:
     """``tensor`` with its axes permuted into the order of its strides when that makes it
     contiguous (else as it is): for reductions whose result does not depend on the order,
@@ -912,8 +937,7 @@ def _edge_weights(walk: Tensor, exclude_sink: bool, edges: Tensor | None) -> tup
     if walk.ndim != 3:
         raise ConnWalkError(f"walk must be [batch, query, key], got {tuple(walk.shape)}.")
     weights = walk.to(working_dtype(walk))
-    if has_negative(weights):
-        raise ConnWalkError("walk has negative entries; a walk matrix is >= 0 (spec §1).")
+    check_walk_nonnegative(weights)
     if not exclude_sink and edges is None:
         has_mass = reduce(weights, "batch query key -> batch query", "sum") > 0
         return weights, reduce(has_mass.to(weights.dtype), "batch query -> batch", "sum")
@@ -985,14 +1009,8 @@ def walk_weighted_cv(
     """
     weights, _ = _edge_weights(walk, check_flag(exclude_sink, "exclude_sink"), edges)
     values = _on_edges(weights, values)
-    total = reduce(weights, "batch query key -> batch 1 1", "sum")
-    p = torch.where(total > 0, weights / torch.where(total > 0, total, 1.0), 0.0)
-    mean = einsum(p, values, "batch query key, batch query key -> batch")
-    var = einsum(
-        p, (values - mean[:, None, None]) ** 2, "batch query key, batch query key -> batch"
-    )
-    safe = torch.where(mean != 0, mean, torch.ones_like(mean))
-    return torch.where(mean != 0, var.clamp_min(0.0).sqrt() / safe.abs(), torch.zeros_like(mean))
+    edge_axis = "batch query key -> batch (query key)"
+    return Moments.of_weighted(rearrange(values, edge_axis), rearrange(weights, edge_axis)).cv
 
 
 def effective_transport_defect(

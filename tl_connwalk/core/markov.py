@@ -27,7 +27,7 @@ from tl_connwalk.core.isometry import (
     _query_chunks,
     all_finite,
     check_flag,
-    has_negative,
+    check_walk_nonnegative,
     head_gram,
     head_mixed_gram,
     walk_weighted_mean,
@@ -52,8 +52,7 @@ def _check_walk(walk: Tensor, name: str = "walk", square: bool = True) -> Tensor
     walk64 = walk.to(torch.float64)
     if not all_finite(walk64):
         raise ConnWalkError(f"{name} has NaN or inf entries (a fully masked row?).")
-    if has_negative(walk64):
-        raise ConnWalkError(f"{name} has negative entries; a walk matrix is >= 0 (spec §1).")
+    check_walk_nonnegative(walk64, name)
     return walk64
 
 

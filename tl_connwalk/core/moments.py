@@ -14,7 +14,13 @@ union without seeing the data again (Chan's parallel algorithm):
 
 So a corpus can be summarised batch by batch, on several processes, and merged in any
 grouping: the result equals the one-pass summary up to float rounding. The spread is
-``std = sqrt(M2 / n)`` (the weighted population standard deviation). NaN cells stay NaN.
+``std = sqrt(M2 / n)`` (the weighted population standard deviation) and ``cv = std / |m|``.
+NaN cells stay NaN.
+
+``M2`` is always a sum of squared deviations from the mean, never ``sum w x^2 - n m^2``: that
+difference of two nearly equal numbers leaves rounding noise of about ``sqrt(eps) |m|`` in
+``std`` (1.5e-8 relative in float64) where the data do not vary at all. Here data that do not
+vary give ``M2 = 0`` exactly (`of_weighted`).
 """
 
 import dataclasses
@@ -48,16 +54,26 @@ class Moments:
     ) -> "Moments":
         """The observations along the last axis with weights ``>= 0`` (broadcast), counts per cell.
 
+        Two passes, both centred on an observation ``c`` of the cell (its heaviest)::
+
+            m = c + sum_b w_b (x_b - c) / n,    M2 = sum_b w_b (x_b - m)^2
+
+        so equal observations give their value as ``m`` and ``M2 = 0`` exactly (a plain
+        ``sum w x / n`` rounds to a neighbour of the value and leaves ``M2 ~ (eps m)^2``).
         Values of weight 0 must be finite (they are multiplied by 0). A cell without weight
         has count, mean and ``M2`` 0, and merging it changes nothing. Keeps the inputs' dtype.
 
         >>> Moments.of_weighted(torch.tensor([[1.0, 3.0]]), torch.tensor([[1.0, 1.0]])).m2
         tensor([2.])
+        >>> Moments.of_weighted(torch.full((1, 3), 0.1), torch.ones(1, 3)).m2
+        tensor([0.])
         """
         weights = weights.expand_as(values)
         count = weights.sum(-1)
-        mean = (weights * values).sum(-1) / torch.where(count > 0, count, 1.0)
-        m2 = (weights * (values - mean[..., None]) ** 2).sum(-1)
+        centre = values.gather(-1, weights.argmax(-1, keepdim=True))
+        shift = (weights * (values - centre)).sum(-1) / torch.where(count > 0, count, 1.0)
+        mean = torch.where(count > 0, centre[..., 0] + shift, 0.0)
+        m2 = (weights * (values - mean[..., None]).square()).sum(-1)
         return cls(count=count, mean=mean, m2=m2)
 
     def merge(self, other: "Moments") -> "Moments":
@@ -80,3 +96,14 @@ class Moments:
         if isinstance(count, Tensor):
             count = torch.where(count > 0, count, 1.0)  # an empty cell has M2 = 0
         return (self.m2 / count).clamp_min(0.0).sqrt()
+
+    @property
+    def cv(self) -> Float[Tensor, "*cell"]:
+        """The coefficient of variation ``std / |mean|``; 0 where the mean is 0 (``0/0``: no
+        weight, or every value 0).
+
+        >>> Moments.of_weighted(torch.tensor([[1.0, 3.0]]), torch.ones(1, 2)).cv
+        tensor([0.5000])
+        """
+        mean = self.mean.abs()  # NaN != 0: a NaN cell stays NaN
+        return torch.where(mean != 0, self.std / torch.where(mean != 0, mean, 1.0), 0.0)
