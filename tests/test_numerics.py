@@ -198,7 +198,7 @@ def test_fully_masked_query_rows_have_defined_values():
         assert non_finite(res.to_dict()) == []
         # the padding's empty rows are no rows of the sequence: its real rows are stochastic
         assert walk.attention_mask is not None and not walk.attention_mask[1, :3].any()
-        assert res.stochasticity[1] < 1e-6
+        assert res.stochasticity[1] < rtol(torch.float32)
         assert res.mu_kind[1] == "uniform"  # causal: reducible
         table = tl_connwalk.geometry_table(
             cache, exclude_sink=exclude_sink, baseline_draws=2, progress=False

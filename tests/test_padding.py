@@ -149,7 +149,7 @@ def check_tables(model: Any, toks: torch.Tensor, side: str, mask_name: str) -> N
     for record_b, record_a in zip(batched.layers, single.layers, strict=True):
         compare_residuals(record_b.with_sink, record_a.with_sink, real, "report, sink")
         compare_residuals(record_b.without_sink, record_a.without_sink, real, "report, no sink")
-        assert record_b.identity_error < 1e-5
+        assert record_b.identity_error < TOL
 
 
 def _outputs(cache: Any, layers: list[int]) -> dict[int, torch.Tensor]:
