@@ -42,6 +42,7 @@ from tl_connwalk.hooks import (
     _messages,
     _MessagesHookPoint,
     _remove_forward_hook,
+    _snapshot,
     _through_walk,
 )
 
@@ -97,8 +98,8 @@ class _BridgePatternHookPoint(HookPoint):
                 value, conn.value = conn.value, None
                 if value is not None:
                     messages = _messages(value, _W_O(conn))
-                    version = messages._version
-                    if _edited(messages, conn.messages(messages), version, conn.messages.name):
+                    before = _snapshot(messages)
+                    if _edited(messages, conn.messages(messages), before, conn.messages.name):
                         raise _late_edit(conn, "the messages")
             else:
                 conn.pattern = pattern
