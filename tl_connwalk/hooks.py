@@ -153,7 +153,8 @@ class _KeyAxisName(str):
     TransformerLens picks the position axis of a cached tensor from the *name*: -3 for names
     ending in ``hook_q/k/v/z/result``, else -2, which for ``[batch, key, head, d_model]`` would be
     the head axis. The messages are laid out like ``hook_result``, so this name also claims that
-    ending. Pickles (and deep-copies) as a plain ``str``.
+    ending. Deep-copies as itself; pickles as a plain ``str``, so that a pickled cache loads
+    without tl_connwalk (`tl_connwalk.bridge_hooks.restore_key_names` renames a Bridge's points).
     """
 
     def endswith(self, suffix: Any, *args: Any) -> bool:
@@ -162,6 +163,9 @@ class _KeyAxisName(str):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (str, (str(self),))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "_KeyAxisName":
+        return self
 
 
 class _MessagesHookPoint(HookPoint):
