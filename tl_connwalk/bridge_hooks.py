@@ -169,7 +169,7 @@ def _check_components(layers: list[tuple[str, nn.Module]]) -> None:
             for what, ok in (
                 ("hook_v", isinstance(getattr(attn, "hook_v", None), HookPoint)),
                 ("hook_pattern", isinstance(getattr(attn, "hook_pattern", None), HookPoint)),
-                ("an output projection `o`", isinstance(attn._modules.get("o"), nn.Module)),
+                ("output projection o", isinstance(attn._modules.get("o"), nn.Module)),
             )
             if not ok
         ]
@@ -196,7 +196,14 @@ def _installed(name: str, attn: nn.Module) -> bool:
 
 
 def _layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(f"blocks.{i}.attn", block.attn) for i, block in enumerate(_bridge(model).blocks)]
+    bridge = _bridge(model)
+    blocks = getattr(bridge, "blocks", None)
+    attns = [getattr(block, "attn", None) for block in blocks or ()]
+    if not attns or not all(isinstance(attn, nn.Module) for attn in attns):
+        raise ConnWalkError(
+            f"this {type(bridge).__name__} has no attention layers blocks.{{l}}.attn to hook"
+        )
+    return [(f"blocks.{i}.attn", cast(nn.Module, attn)) for i, attn in enumerate(attns)]
 
 
 def install(model: nn.Module) -> None:
