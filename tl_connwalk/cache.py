@@ -120,6 +120,8 @@ def _checked(
     model = _model_of(cache, model)
     adapter = adapter_for(model)
     layer = resolve_layer(adapter, model, layer)
+    if not patterns_only:
+        adapter.check_supported(model, layer)
     needed = adapter.required_hooks(model, layer)[: 1 if patterns_only else None]
     cache = cast(ActivationCache, cache)
     missing = [name for name in needed if name not in cache.cache_dict]
