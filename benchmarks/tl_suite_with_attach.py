@@ -1,4 +1,4 @@
-"""Run TransformerLens's own unit tests plain, with tl_connwalk attached, and attached then detached.
+"""Run TransformerLens's unit tests plain, with tl_connwalk attached, and attached then detached.
 
 ``attach`` must change nothing a user's code can see: this script runs a chosen set of
 TransformerLens's tests three times, each in its own pytest process,
@@ -26,6 +26,7 @@ pytest plugin of the runs (``-p tl_suite_with_attach``, mode from ``TL_CONNWALK_
 
 import argparse
 import collections
+import contextlib
 import functools
 import json
 import os
@@ -54,10 +55,8 @@ def _model_classes() -> list[type]:
         ("transformer_lens", "HookedTransformer"),
         ("transformer_lens", "HookedEncoder"),
     ):
-        try:
+        with contextlib.suppress(ImportError, AttributeError):
             classes.append(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError):
-            pass
     return classes
 
 

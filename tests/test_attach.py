@@ -176,6 +176,7 @@ if HAS_HOOKED:
     MODELS["hooked_llama"] = (lambda: build("llama_gqa_rotary"), lambda: tokens())
     MODELS["hooked_encoder"] = (_hooked_encoder, lambda: tokens())
 
+
 def _every_point(model) -> list[str]:
     """Every conn point, and the hooks the walks are built from (a filter naming them all)."""
     conn = [name for name in model.hook_dict if "hook_conn" in name]
@@ -211,7 +212,7 @@ def test_inference_mode_gives_the_no_grad_results(name, cached):
     assert torch.equal(i_logits, logits) and torch.equal(i_edited, edited)
     assert not torch.equal(edited, logits)
     assert sorted(i_cache.keys()) == sorted(cache.keys())
-    assert all(torch.equal(i_cache[key], cache[key]) for key in cache.keys())
+    assert all(torch.equal(i_cache[key], cache[key]) for key in cache.cache_dict)
     if cached is None or cached == "every point":
         walk, i_walk = cache.connection_walk(1), i_cache.connection_walk(1)
         assert torch.equal(i_walk.apply(), walk.apply())
@@ -238,9 +239,9 @@ def test_unfiltered_cache_within_ten_percent_and_points_still_reachable(name):
         _, cache = model.run_with_cache(toks)
         assert list(model.hook_dict) == order  # the registry is left as it was
         assert _cached_bytes(cache) <= 1.10 * _cached_bytes(plain)
-        conn = sorted(key for key in cache.keys() if "hook_conn" in key)
+        conn = sorted(key for key in cache.cache_dict if "hook_conn" in key)
         assert conn == [f"blocks.{layer}.attn.hook_conn_walk" for layer in (0, 1)]
-        assert all(torch.equal(cache[key], plain[key]) for key in plain.keys())
+        assert all(torch.equal(cache[key], plain[key]) for key in plain.cache_dict)
         messages = "blocks.1.attn.hook_conn_messages"
         _, named = model.run_with_cache(toks, names_filter=[messages])
         _, every = model.run_with_cache(toks, names_filter=_every_point(model))

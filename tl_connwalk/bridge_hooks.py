@@ -175,10 +175,10 @@ def _check_components(layers: list[tuple[str, nn.Module]]) -> None:
         ]
         if missing:
             raise ConnWalkError(
-                f"{name} is a {type(attn).__name__} with no {' and no '.join(missing)}: TransformerLens "
-                "runs this attention as one opaque module, so tl_connwalk has nowhere to place "
-                "its hook points. Supported: attention components with hook_v [batch, pos, "
-                "kv_head, d_head], hook_pattern [batch, head, query, key] and an output "
+                f"{name} is a {type(attn).__name__} with no {' and no '.join(missing)}: "
+                "TransformerLens runs this attention as one opaque module, so tl_connwalk has "
+                "nowhere to place its hook points. Supported: attention components with hook_v "
+                "[batch, pos, kv_head, d_head], hook_pattern [batch, head, query, key] and an output "
                 "projection o (TransformerLens's AttentionBridge and its subclasses such as "
                 "JointQKVAttentionBridge and PositionEmbeddingsAttentionBridge)."
             )
@@ -219,7 +219,9 @@ def install(model: nn.Module) -> None:
     layers = _layers(bridge)
     _check_components(layers)
     todo = [
-        (layer, name, attn) for layer, (name, attn) in enumerate(layers) if not _installed(name, attn)
+        (layer, name, attn)
+        for layer, (name, attn) in enumerate(layers)
+        if not _installed(name, attn)
     ]
     for layer, name, attn in todo:
         conn = _BridgeConn(attn)

@@ -86,13 +86,15 @@ def _unregister_cache_methods() -> None:
 
 
 def _registry(model: nn.Module) -> dict[str, Any]:
-    """The dict ``run_with_cache`` reads the hook points from (``hook_dict`` is a copy on a Bridge)."""
+    """The dict ``run_with_cache`` reads the hook points from (a Bridge's hook_dict is a copy)."""
     if isinstance(model, TransformerBridge):
         return cast(dict[str, Any], model._hook_registry)
     return cast(dict[str, Any], model.hook_dict)
 
 
-def _names_filter_given(method: Callable[..., Any], model: nn.Module, args: Any, kwargs: Any) -> bool:
+def _names_filter_given(
+    method: Callable[..., Any], model: nn.Module, args: Any, kwargs: Any
+) -> bool:
     """Whether a ``run_with_cache(*args, **kwargs)`` call passes a ``names_filter`` (not None)."""
     if kwargs.get("names_filter") is not None:
         return True
@@ -134,7 +136,7 @@ class _Attachment:
         model = self._model()
         if model is None:
             raise ConnWalkError("this model no longer exists")
-        method = type(model).run_with_cache
+        method = cast(Callable[..., Any], getattr(type(model), "run_with_cache"))
         if _names_filter_given(method, model, args, kwargs):
             return method(model, *args, **kwargs)
         registry = _registry(model)

@@ -62,7 +62,7 @@ def unsupported(model: nn.Module, layer: int) -> str | None:
         )
     try:
         W_V, W_O = attn.W_V, attn.W_O
-    except Exception as error:  # noqa: BLE001 - whatever the architecture's accessors raise
+    except Exception as error:  # whatever this architecture's accessors raise
         return f"{where} has no per-head value and output maps W_V, W_O: {str(error).rstrip('.')}"
     shapes_ok = (
         isinstance(W_V, Tensor)
