@@ -178,8 +178,8 @@ def _check_components(layers: list[tuple[str, nn.Module]]) -> None:
                 f"{name} is a {type(attn).__name__} with no {' and no '.join(missing)}: "
                 "TransformerLens runs this attention as one opaque module, so tl_connwalk has "
                 "nowhere to place its hook points. Supported: attention components with hook_v "
-                "[batch, pos, kv_head, d_head], hook_pattern [batch, head, query, key] and an output "
-                "projection o (TransformerLens's AttentionBridge and its subclasses such as "
+                "[batch, pos, kv_head, d_head], hook_pattern [batch, head, query, key] and an "
+                "output projection o (TransformerLens's AttentionBridge and its subclasses such as "
                 "JointQKVAttentionBridge and PositionEmbeddingsAttentionBridge)."
             )
 

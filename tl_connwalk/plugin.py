@@ -136,7 +136,7 @@ class _Attachment:
         model = self._model()
         if model is None:
             raise ConnWalkError("this model no longer exists")
-        method = cast(Callable[..., Any], getattr(type(model), "run_with_cache"))
+        method: Callable[..., Any] = type(model).run_with_cache  # type: ignore[attr-defined]
         if _names_filter_given(method, model, args, kwargs):
             return method(model, *args, **kwargs)
         registry = _registry(model)
