@@ -1,14 +1,25 @@
 """attach/detach: idempotent, reversible, and changing nothing the user did not ask for."""
 
+import copy
 import hashlib
+import io
+import pickle
 
 import pytest
 import torch
 from transformer_lens import ActivationCache
 
 import tl_connwalk
-from tests.architectures import attention_output, tokens
+from tests.architectures import (
+    HAS_HOOKED,
+    attention_output,
+    bridge_tokens,
+    build,
+    hooked_only,
+    tokens,
+)
 from tests.tolerances import assert_close
+from tl_connwalk.hooks import hook_name
 from tl_connwalk.toy import random_bridge
 
 
@@ -133,3 +144,177 @@ def test_a_raising_user_hook_leaves_no_hook_and_no_stale_state(gpt2, point):
     finally:
         tl_connwalk.detach(gpt2)
     assert torch.equal(gpt2(toks), plain)
+
+
+# --- every model class: inference mode, copies, the cache budget ---------------------------
+
+
+def _hooked_encoder():
+    from transformer_lens import HookedEncoder, HookedTransformerConfig
+
+    cfg = HookedTransformerConfig(
+        n_layers=2, d_model=24, n_heads=4, d_head=6, d_mlp=32, n_ctx=16, d_vocab=40,
+        act_fn="gelu", attention_dir="bidirectional", normalization_type="LN",
+    )  # fmt: skip
+    model = HookedEncoder(cfg)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(0.2 * torch.randn(param.shape, generator=generator))
+    return model.eval()
+
+
+#: model builders (name -> (builder, tokens)) for the model classes this TransformerLens has
+MODELS = {
+    "bridge_llama": (lambda: random_bridge("llama"), lambda: bridge_tokens()),
+    "bridge_gpt2_compat": (
+        lambda: random_bridge("gpt2", compatibility_mode=True),
+        lambda: bridge_tokens(),
+    ),
+}
+if HAS_HOOKED:
+    MODELS["hooked_llama"] = (lambda: build("llama_gqa_rotary"), lambda: tokens())
+    MODELS["hooked_encoder"] = (_hooked_encoder, lambda: tokens())
+
+
+def _every_point(model) -> list[str]:
+    """Every conn point, and the hooks the walks are built from (a filter naming them all)."""
+    conn = [name for name in model.hook_dict if "hook_conn" in name]
+    return conn + tl_connwalk.required_hooks(model)
+
+
+def _zero_head_1(tensor, hook):
+    return tensor.index_fill(2, torch.tensor([1]), 0.0)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize(
+    "cached", [None, "hook_conn_walk", "hook_conn_messages", "every point"], ids=str
+)
+def test_inference_mode_gives_the_no_grad_results(name, cached):
+    """``torch.inference_mode()`` caches and edits exactly what ``torch.no_grad()`` does."""
+    build_model, make_tokens = MODELS[name]
+    model, toks = tl_connwalk.attach(build_model()), make_tokens()
+    if cached is None:
+        options = {}
+    elif cached == "every point":
+        options = {"names_filter": _every_point(model)}
+    else:
+        options = {"names_filter": lambda hook: hook.endswith(cached)}
+    edit = [("blocks.1.attn.hook_conn_messages", _zero_head_1)]
+    runs = {}
+    for context in (torch.no_grad, torch.inference_mode):
+        with context():
+            logits, cache = model.run_with_cache(toks, **options)
+            edited = model.run_with_hooks(toks, fwd_hooks=edit)
+        runs[context.__name__] = logits, cache, edited
+    (logits, cache, edited), (i_logits, i_cache, i_edited) = runs.values()
+    assert torch.equal(i_logits, logits) and torch.equal(i_edited, edited)
+    assert not torch.equal(edited, logits)
+    assert sorted(i_cache.keys()) == sorted(cache.keys())
+    assert all(torch.equal(i_cache[key], cache[key]) for key in cache.cache_dict)
+    if cached is None or cached == "every point":
+        walk, i_walk = cache.connection_walk(1), i_cache.connection_walk(1)
+        assert torch.equal(i_walk.apply(), walk.apply())
+        assert torch.equal(
+            i_walk.laplacian_residual().reversibility, walk.laplacian_residual().reversibility
+        )
+    tl_connwalk.detach(model)
+
+
+def _cached_bytes(cache) -> int:
+    return sum(t.numel() * t.element_size() for t in cache.values())
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_unfiltered_cache_within_ten_percent_and_points_still_reachable(name):
+    """An unfiltered cache grows by the walk alone (at most 10%); gates and messages are cached
+    when asked for, and hooks on them still patch the forward pass."""
+    build_model, make_tokens = MODELS[name]
+    model, toks = build_model(), make_tokens()
+    _, plain = model.run_with_cache(toks)
+    tl_connwalk.attach(model)
+    try:
+        order = list(model.hook_dict)
+        _, cache = model.run_with_cache(toks)
+        assert list(model.hook_dict) == order  # the registry is left as it was
+        assert _cached_bytes(cache) <= 1.10 * _cached_bytes(plain)
+        conn = sorted(key for key in cache.cache_dict if "hook_conn" in key)
+        assert conn == [f"blocks.{layer}.attn.hook_conn_walk" for layer in (0, 1)]
+        assert all(torch.equal(cache[key], plain[key]) for key in plain.cache_dict)
+        messages = "blocks.1.attn.hook_conn_messages"
+        _, named = model.run_with_cache(toks, names_filter=[messages])
+        _, every = model.run_with_cache(toks, names_filter=_every_point(model))
+        assert torch.equal(named[messages], every[messages])
+        assert {"blocks.1.attn.hook_conn_gates", messages} <= set(every.keys())
+        with torch.no_grad():
+            assert not torch.equal(
+                model.run_with_hooks(toks, fwd_hooks=[(messages, _zero_head_1)]), model(toks)
+            )
+    finally:
+        tl_connwalk.detach(model)
+    assert "run_with_cache" not in vars(model)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_deep_copy_is_attached_and_outlives_the_original(name):
+    build_model, make_tokens = MODELS[name]
+    model, toks = tl_connwalk.attach(build_model()), make_tokens()
+    twin = copy.deepcopy(model)
+    assert tl_connwalk.is_attached(twin)
+    tl_connwalk.detach(model)
+    assert not tl_connwalk.is_attached(model) and tl_connwalk.is_attached(twin)
+    _, cache = twin.run_with_cache(toks, names_filter=_every_point(twin))
+    assert cache.model is twin
+    assert_close(cache.connection_walk(1).walk, cache["blocks.1.attn.hook_conn_walk"])
+    with torch.no_grad():
+        assert torch.equal(twin(toks), model(toks))
+    tl_connwalk.detach(twin)
+    assert not hasattr(ActivationCache, "connection_walk")
+
+
+@hooked_only
+@pytest.mark.parametrize("name", ["hooked_llama", "hooked_encoder"])
+@pytest.mark.parametrize("how", ["pickle", "torch.save"])
+def test_a_pickled_model_loads_attached(name, how):
+    """Bridges do not pickle (TransformerLens's own hooks are local functions)."""
+    build_model, make_tokens = MODELS[name]
+    model, toks = tl_connwalk.attach(build_model()), make_tokens()
+    if how == "pickle":
+        loaded = pickle.loads(pickle.dumps(model))
+    else:
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+    tl_connwalk.detach(model)
+    assert tl_connwalk.is_attached(loaded)
+    _, cache = loaded.run_with_cache(toks)
+    assert_close(cache.connection_walk(1).walk, cache["blocks.1.attn.hook_conn_walk"])
+    with torch.no_grad():
+        ours = loaded.run_with_hooks(toks, fwd_hooks=[(hook_name(1, "messages"), _zero_head_1)])
+        theirs = loaded.run_with_hooks(toks, fwd_hooks=[("blocks.1.attn.hook_z", _zero_head_1)])
+    assert_close(ours, theirs)
+    tl_connwalk.detach(loaded)
+    assert not hasattr(ActivationCache, "connection_walk")
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_dtype_and_device_moves_after_attach(name):
+    build_model, make_tokens = MODELS[name]
+    model, toks = tl_connwalk.attach(build_model()), make_tokens()
+    reference = build_model().to(torch.float64)
+    model = model.to("cpu").to(torch.float64)
+    assert tl_connwalk.is_attached(model)
+    with torch.no_grad():
+        assert torch.equal(model(toks), reference(toks))
+    _, cache = model.run_with_cache(toks, names_filter=_every_point(model))
+    conn = [value for key, value in cache.items() if "hook_conn" in key]
+    assert conn and all(value.dtype == torch.float64 for value in conn)
+    if name.startswith("bridge"):
+        model.half()
+    else:  # HookedTransformer's half() leaves cfg.dtype, which its own forward then mismatches
+        model.to(torch.float16)
+    _, cache = model.run_with_cache(toks, names_filter=_every_point(model))
+    assert cache["blocks.1.attn.hook_conn_messages"].dtype == torch.float16
+    tl_connwalk.detach(model)

@@ -287,3 +287,136 @@ def test_new_points_take_the_models_mode(training):
         assert {m.training for m in model.modules()} == {training}
     finally:
         tl_connwalk.detach(model)
+
+
+# --- architectures the points cannot fully read: latent attention, opaque attention -------
+
+
+def _glm_moe_dsa_bridge():
+    """A tiny random GLM-MoE-DSA Bridge (multi-head latent attention, sparse attention mask)."""
+    transformers = pytest.importorskip("transformers")
+    builder = pytest.importorskip("transformer_lens.model_bridge.sources._bridge_builder")
+    config = transformers.GlmMoeDsaConfig(
+        hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=2,
+        num_experts_per_tok=1, n_group=1, topk_group=1, q_lora_rank=8, kv_lora_rank=8,
+        qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=8, vocab_size=64,
+        max_position_embeddings=32, index_topk=4, index_head_dim=8, index_n_heads=2,
+        mlp_layer_types=["dense", "sparse"], indexer_types=["full", "full"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf_model = transformers.GlmMoeDsaForCausalLM(copy.deepcopy(config)).eval()
+    return builder.build_bridge_from_module(
+        hf_model, "GlmMoeDsaForCausalLM", hf_config=config, tokenizer=None, device="cpu"
+    ).eval()
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+def test_latent_attention_keeps_every_call_and_explains_the_walk():
+    """MLA has no linear value map: the messages point is absent, walk and gates work, every
+    call that worked before attach still does, and connection_walk names the architecture."""
+    model = _glm_moe_dsa_bridge()
+    tokens = bridge_tokens(batch=1, pos=8)
+    with torch.no_grad():
+        plain, plain_cache = model.run_with_cache(tokens)
+        tl_connwalk.attach(model)
+        try:
+            logits, cache = model.run_with_cache(tokens)
+            assert torch.equal(logits, plain)
+            assert set(cache.keys()) - set(plain_cache.keys()) == {
+                hook_name(layer, "walk") for layer in (0, 1)
+            }
+            assert hook_name(LAYER, "messages") not in model.hook_dict
+            names = [hook_name(LAYER, "walk"), hook_name(LAYER, "gates")]
+            needed = [*names, *tl_connwalk.required_hooks(model, LAYER)]
+            _, conn = model.run_with_cache(tokens, names_filter=needed)
+            pattern = conn[f"blocks.{LAYER}.attn.hook_pattern"]
+            assert_close(conn[names[0]], walk_matrix(pattern))
+            assert_close(conn[names[1]], gates(pattern))
+            assert_close(tl_connwalk.walk_matrix(conn, LAYER), conn[names[0]])
+            with pytest.raises(ConnWalkError, match="GlmMoeDsaAttentionBridge.*MLA"):
+                conn.connection_walk(LAYER)
+        finally:
+            tl_connwalk.detach(model)
+        assert not any("hook_conn" in name for name in model.hook_dict)
+
+
+class _OpaqueAttention(torch.nn.Module):
+    def __init__(self, d_model: int) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(d_model, 3 * d_model)
+        self.out = torch.nn.Linear(d_model, d_model)
+
+    def forward(self, x, cos, sin):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self.out(torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v)
+
+
+class _GatedMLP(torch.nn.Module):
+    def __init__(self, d_model: int) -> None:
+        super().__init__()
+        self.gate, self.up = torch.nn.Linear(d_model, d_model), torch.nn.Linear(d_model, d_model)
+        self.down = torch.nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, d_model: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.LayerNorm(d_model), torch.nn.LayerNorm(d_model)
+        self.attn, self.mlp = _OpaqueAttention(d_model), _GatedMLP(d_model)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.norm1(x), cos, sin)
+        return x + self.mlp(self.norm2(x))
+
+
+class _OpaqueModel(torch.nn.Module):
+    """The module tree TransformerLens's pretrain adapter wraps (embed/blocks/norm_f/lm_head)."""
+
+    def __init__(self, d_model: int = 16, vocab: int = 64) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d_model)
+        self.blocks = torch.nn.ModuleList([_Block(d_model) for _ in range(2)])
+        self.norm_f = torch.nn.LayerNorm(d_model)
+        self.lm_head = torch.nn.Linear(d_model, vocab, bias=False)
+
+    def forward(self, tokens, **kwargs):
+        x, cos = self.embed(tokens), torch.ones(tokens.shape[1], 2)
+        for block in self.blocks:
+            x = block(x, cos, cos)
+        return {"logits": self.lm_head(self.norm_f(x))}
+
+
+def test_opaque_attention_is_refused_and_the_model_left_unchanged():
+    pretrain = pytest.importorskip("transformer_lens.model_bridge.supported_architectures.pretrain")
+    from transformer_lens.config.transformer_bridge_config import TransformerBridgeConfig
+
+    cfg = TransformerBridgeConfig(
+        d_model=16, d_head=4, n_layers=2, n_ctx=32, n_heads=4, d_vocab=64, d_mlp=32,
+        architecture=pretrain.ARCHITECTURE_NAME,
+    )  # fmt: skip
+    model = pretrain.build_pretrain_bridge(_OpaqueModel(), cfg)
+
+    def snapshot():
+        return {
+            **fingerprint(model),
+            "registry": sorted((k, id(v)) for k, v in model._hook_registry.items()),
+            "state": {k: v.clone() for k, v in model.state_dict().items()},
+            "attrs": sorted(vars(model)),
+        }
+
+    before = snapshot()
+    with pytest.raises(ConnWalkError, match="NativeForwardAttentionBridge.*output projection o"):
+        tl_connwalk.attach(model)
+    after = snapshot()
+    state, state_after = before.pop("state"), after.pop("state")
+    assert after == before and state.keys() == state_after.keys()
+    assert all(torch.equal(state[k], state_after[k]) for k in state)
+    assert not tl_connwalk.is_attached(model)
+    _, cache = model.run_with_cache(bridge_tokens())
+    with pytest.raises(ConnWalkError, match="NativeForwardAttentionBridge"):
+        tl_connwalk.connection_walk(cache, 0)

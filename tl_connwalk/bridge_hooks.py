@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
+from tl_connwalk.adapters.bridge import unsupported
 from tl_connwalk.adapters.versions import TransformerBridge, is_bridge
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.hooks import (
@@ -42,6 +43,7 @@ from tl_connwalk.hooks import (
     _messages,
     _MessagesHookPoint,
     _remove_forward_hook,
+    _snapshot,
     _through_walk,
 )
 
@@ -97,8 +99,8 @@ class _BridgePatternHookPoint(HookPoint):
                 value, conn.value = conn.value, None
                 if value is not None:
                     messages = _messages(value, _W_O(conn))
-                    version = messages._version
-                    if _edited(messages, conn.messages(messages), version, conn.messages.name):
+                    before = _snapshot(messages)
+                    if _edited(messages, conn.messages(messages), before, conn.messages.name):
                         raise _late_edit(conn, "the messages")
             else:
                 conn.pattern = pattern
@@ -124,12 +126,20 @@ def _apply_message_edits(module: nn.Module, args: Any, output: Tensor) -> Tensor
         return None
     value, pattern = conn.value, conn.pattern
     conn.value = conn.pattern = None
+    W_O = _W_O(conn)
+    if value is not None and (value.shape[-1] != W_O.shape[1] or W_O.shape[0] % value.shape[2]):
+        raise ConnWalkError(
+            f"{conn.messages.name}: {type(conn.attn).__name__}.hook_v carries shape "
+            f"{tuple(value.shape)}, not [batch, pos, kv_head, d_head] with d_head {W_O.shape[1]} "
+            f"and kv_head dividing {W_O.shape[0]} heads, so the messages cannot be built on "
+            "this architecture; cache hook_conn_walk and hook_conn_gates only"
+        )
     if value is None or value.shape[1] != pattern.shape[-1]:
         raise ConnWalkError(
             f"{conn.messages.name} needs the final hook_v value of every key position; it is "
             "not available with a KV cache (generation) - run the full sequence instead"
         )
-    return _correction(conn, value, pattern, _W_O(conn), output)
+    return _correction(conn, value, pattern, W_O, output)
 
 
 def _mark_output(module: nn.Module, args: Any, output: Tensor) -> None:
@@ -147,8 +157,31 @@ def _on_output(module: nn.Module, args: Any, output: Tensor) -> Tensor | None:
 
 
 def _projection(attn: nn.Module) -> nn.Module:
-    """The attention component's output projection ``attn.o``."""
-    return cast(nn.Module, attn.o)
+    """The attention component's output projection ``attn.o`` (checked by `_check_components`)."""
+    return cast(nn.Module, attn._modules["o"])
+
+
+def _check_components(layers: list[tuple[str, nn.Module]]) -> None:
+    """Refuse, before anything changes, attention components the points cannot be placed on."""
+    for name, attn in layers:
+        missing = [
+            what
+            for what, ok in (
+                ("hook_v", isinstance(getattr(attn, "hook_v", None), HookPoint)),
+                ("hook_pattern", isinstance(getattr(attn, "hook_pattern", None), HookPoint)),
+                ("output projection o", isinstance(attn._modules.get("o"), nn.Module)),
+            )
+            if not ok
+        ]
+        if missing:
+            raise ConnWalkError(
+                f"{name} is a {type(attn).__name__} with no {' and no '.join(missing)}: "
+                "TransformerLens runs this attention as one opaque module, so tl_connwalk has "
+                "nowhere to place its hook points. Supported: attention components with hook_v "
+                "[batch, pos, kv_head, d_head], hook_pattern [batch, head, query, key] and an "
+                "output projection o (TransformerLens's AttentionBridge and its subclasses such as "
+                "JointQKVAttentionBridge and PositionEmbeddingsAttentionBridge)."
+            )
 
 
 def _bridge(model: nn.Module) -> TransformerBridge:
@@ -163,18 +196,39 @@ def _installed(name: str, attn: nn.Module) -> bool:
 
 
 def _layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(f"blocks.{i}.attn", block.attn) for i, block in enumerate(_bridge(model).blocks)]
+    bridge = _bridge(model)
+    blocks = getattr(bridge, "blocks", None)
+    attns = [getattr(block, "attn", None) for block in blocks or ()]
+    if not attns or not all(isinstance(attn, nn.Module) for attn in attns):
+        raise ConnWalkError(
+            f"this {type(bridge).__name__} has no attention layers blocks.{{l}}.attn to hook"
+        )
+    return [(f"blocks.{i}.attn", cast(nn.Module, attn)) for i, attn in enumerate(attns)]
 
 
 def install(model: nn.Module) -> None:
-    """Add the three conn hook points to every attention layer of a Bridge. Idempotent."""
+    """Add the three conn hook points to every attention layer of a Bridge. Idempotent.
+
+    Where the attention has no per-head value and output maps (multi-head latent attention,
+    `tl_connwalk.adapters.bridge.unsupported`), ``hook_conn_messages`` is absent and
+    ``hook_conn_walk``, ``hook_conn_gates`` work from the patterns. Raises `ConnWalkError`, and
+    changes nothing, on attention components without ``hook_v``, ``hook_pattern`` or an output
+    projection ``o`` (opaque attention such as the pretrain adapter's).
+    """
     bridge = _bridge(model)
-    todo = [(name, attn) for name, attn in _layers(bridge) if not _installed(name, attn)]
-    for name, attn in todo:
+    layers = _layers(bridge)
+    _check_components(layers)
+    todo = [
+        (layer, name, attn)
+        for layer, (name, attn) in enumerate(layers)
+        if not _installed(name, attn)
+    ]
+    for layer, name, attn in todo:
         conn = _BridgeConn(attn)
-        for point_name, point in zip(
-            HOOK_NAMES, (conn.walk, conn.gates, conn.messages), strict=True
-        ):
+        points = [conn.walk, conn.gates, conn.messages]
+        if unsupported(bridge, layer) is not None:
+            points.pop()  # no value and output maps: the messages point is absent
+        for point_name, point in zip(HOOK_NAMES, points, strict=False):
             point.train(attn.training)  # a model in eval mode stays all in eval mode
             setattr(attn, point_name, point)  # also enters the component's _hook_registry
             point.name = f"{name}.{point_name}"
@@ -190,6 +244,20 @@ def install(model: nn.Module) -> None:
         _projection(attn).register_forward_hook(_on_output)
 
 
+def restore_key_names(registry: dict[str, Any]) -> None:
+    """Give the messages points of an unpickled Bridge's hook registry their `_KeyAxisName` keys.
+
+    TransformerLens 3.x reads the position axis of ``run_with_cache(pos_slice=...)`` off the
+    key, and `_KeyAxisName` pickles as a plain ``str``. The entries keep their order.
+    """
+    entries = list(registry.items())
+    registry.clear()
+    registry.update(
+        (_KeyAxisName(name) if name.endswith(HOOK_NAMES[2]) else name, point)
+        for name, point in entries
+    )
+
+
 def uninstall(model: nn.Module) -> None:
     """Undo `install` exactly; hooks attached to the new points go with them."""
     bridge = _bridge(model)
@@ -202,6 +270,6 @@ def uninstall(model: nn.Module) -> None:
         for holder in (attn.hook_v, attn.hook_pattern, o):
             del holder.__dict__[_CONN]
         for point_name in HOOK_NAMES:
-            del attn._modules[point_name]
+            attn._modules.pop(point_name, None)
             cast(dict[str, HookPoint], attn._hook_registry).pop(point_name, None)
             bridge._hook_registry.pop(f"{name}.{point_name}", None)

@@ -146,6 +146,8 @@ def _checked(
     cache = cast(ActivationCache, cache)
     _check_made_by(cache, model, None)
     layer = resolve_layer(adapter, model, layer)
+    if not patterns_only:
+        adapter.check_supported(model, layer)
     needed = adapter.required_hooks(model, layer)[: 1 if patterns_only else None]
     missing = [name for name in needed if name not in cache.cache_dict]
     if missing:

@@ -100,16 +100,28 @@ def _hooked(point: HookPoint) -> bool:
     return bool(point.fwd_hooks or point.bwd_hooks)
 
 
-def _edited(before: Tensor, after: Tensor, version: int, name: str | None) -> bool:
-    """Whether a hook changed ``before``: returned other values, or wrote into it in place."""
+def _snapshot(tensor: Tensor) -> int | Tensor:
+    """What `_edited` needs to see a hook write into ``tensor``: its version counter, or a copy
+    of its values for an inference tensor (made under ``torch.inference_mode()``, which keeps
+    no version counter)."""
+    return tensor.clone() if tensor.is_inference() else tensor._version
+
+
+def _edited(before: Tensor, after: Tensor, snapshot: int | Tensor, name: str | None) -> bool:
+    """Whether a hook changed ``before``: returned other values, or wrote into it in place.
+
+    ``snapshot`` is `_snapshot` (before) taken before the hook ran.
+    """
     if after.shape != before.shape:
         raise ConnWalkError(
             f"a hook on {name} returned shape {tuple(after.shape)}; it must keep the shape "
             f"{tuple(before.shape)}"
         )
+    if isinstance(snapshot, Tensor):  # inference tensors: compare the values themselves
+        return not torch.equal(after, snapshot)
     # `_version` catches in-place edits; a returned tensor (e.g. the alias a backward hook
     # makes) counts as an edit only if its values differ.
-    return before._version != version or (after is not before and not torch.equal(after, before))
+    return before._version != snapshot or (after is not before and not torch.equal(after, before))
 
 
 class _ValueHookPoint(HookPoint):
@@ -145,7 +157,8 @@ class _KeyAxisName(str):
     TransformerLens picks the position axis of a cached tensor from the *name*: -3 for names
     ending in ``hook_q/k/v/z/result``, else -2, which for ``[batch, key, head, d_model]`` would be
     the head axis. The messages are laid out like ``hook_result``, so this name also claims that
-    ending. Pickles (and deep-copies) as a plain ``str``.
+    ending. Deep-copies as itself; pickles as a plain ``str``, so that a pickled cache loads
+    without tl_connwalk (`tl_connwalk.bridge_hooks.restore_key_names` renames a Bridge's points).
     """
 
     def endswith(self, suffix: Any, *args: Any) -> bool:
@@ -154,6 +167,9 @@ class _KeyAxisName(str):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (str, (str(self),))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "_KeyAxisName":
+        return self
 
 
 class _MessagesHookPoint(HookPoint):
@@ -179,10 +195,10 @@ def _through_walk(
     gradient passing through the new points.
     """
     walk, gate = walk_and_gates(pattern)  # one sum over heads for both
-    walk_version, gate_version = walk._version, gate._version
+    walk_before, gate_before = _snapshot(walk), _snapshot(gate)
     new_walk, new_gate = walk_point(walk), gates_point(gate)
-    walk_edited = _edited(walk, new_walk, walk_version, walk_point.name)
-    if walk_edited or _edited(gate, new_gate, gate_version, gates_point.name):
+    walk_edited = _edited(walk, new_walk, walk_before, walk_point.name)
+    if walk_edited or _edited(gate, new_gate, gate_before, gates_point.name):
         return patterns_from_walk(new_walk, new_gate)
     if new_walk is walk and new_gate is gate:
         return pattern
@@ -235,12 +251,14 @@ def _correction(
     at the logits).
     """
     messages = _messages(value, W_O)
-    version = messages._version
+    before = _snapshot(messages)
     new_messages = conn.messages(messages)
-    edited = _edited(messages, new_messages, version, conn.messages.name)
+    edited = _edited(messages, new_messages, before, conn.messages.name)
     if not edited and not conn.messages.bwd_hooks:
         return None
-    if messages._version != version:  # edited in place: recompute the unedited messages
+    if isinstance(before, Tensor):  # an inference tensor: its values before the hooks
+        messages = before
+    elif messages._version != before:  # edited in place: recompute the unedited messages
         messages = _messages(value, W_O)
     correction = einsum(
         pattern.to(new_messages.dtype),

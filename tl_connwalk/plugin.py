@@ -9,11 +9,19 @@ did not create; ``detach(model)`` undoes exactly that. Methods on
 the class, not a cache subclass, because TransformerLens builds plain ``ActivationCache``
 objects in many places (``apply_slice_to_batch_dim``, ``run_with_cache``) and a subclass would
 lose them. Both are idempotent.
+
+A copy of an attached model (``copy.deepcopy``, pickling, ``torch.save``/``torch.load``) is
+attached too (`_Attachment`); ``detach`` of one model never touches another, and the cache
+methods stay while any attached model or copy is alive. An unfiltered ``run_with_cache`` of an
+attached model caches ``hook_conn_walk`` but not the per-head ``hook_conn_gates`` and
+``hook_conn_messages``, which are cached when asked for by name or by a filter
+(`_Attachment.run_with_cache`).
 """
 
+import inspect
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 from transformer_lens import ActivationCache
@@ -32,7 +40,13 @@ CACHE_METHODS: dict[str, Callable[..., Any]] = {
 }
 
 _MARK = "__tl_connwalk__"
-_attached: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+#: Where `attach` leaves its `_Attachment` in the model's ``__dict__``.
+_ATTACHMENT = "_tl_connwalk_attachment"
+#: The per-head points an unfiltered ``run_with_cache`` leaves out (`_Attachment`).
+PER_HEAD_POINTS: tuple[str, str] = ("hook_conn_gates", "hook_conn_messages")
+#: Every live attachment, of attached models and of their copies: the cache methods stay while
+#: any is alive.
+_live: "weakref.WeakSet[_Attachment]" = weakref.WeakSet()
 
 
 def _method(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -58,8 +72,11 @@ def _check_cache_methods() -> None:
 
 
 def _register_cache_methods() -> None:
+    """Register the cache methods, leaving any attribute tl_connwalk did not make alone."""
     for name, function in CACHE_METHODS.items():
-        setattr(ActivationCache, name, _method(function))
+        existing = getattr(ActivationCache, name, None)
+        if existing is None or getattr(existing, _MARK, False):
+            setattr(ActivationCache, name, _method(function))
 
 
 def _unregister_cache_methods() -> None:
@@ -68,14 +85,90 @@ def _unregister_cache_methods() -> None:
             delattr(ActivationCache, name)
 
 
+def _registry(model: nn.Module) -> dict[str, Any]:
+    """The dict ``run_with_cache`` reads the hook points from (a Bridge's hook_dict is a copy)."""
+    if is_bridge(model):
+        return cast(dict[str, Any], model._hook_registry)
+    return cast(dict[str, Any], model.hook_dict)
+
+
+def _names_filter_given(
+    method: Callable[..., Any], model: nn.Module, args: Any, kwargs: Any
+) -> bool:
+    """Whether a ``run_with_cache(*args, **kwargs)`` call passes a ``names_filter`` (not None)."""
+    if kwargs.get("names_filter") is not None:
+        return True
+    try:  # a Bridge takes names_filter positionally too
+        bound = inspect.signature(method).bind_partial(model, *args)
+    except (TypeError, ValueError):
+        return False  # the call itself will say what is wrong with its arguments
+    return bound.arguments.get("names_filter") is not None
+
+
+class _Attachment:
+    """What `attach` leaves in the model's ``__dict__``: the mark of an attached model, and its
+    ``run_with_cache``.
+
+    Copies of the model copy it (``copy.deepcopy``, ``pickle``, ``torch.save``/``torch.load``),
+    and the copy's attachment registers the cache methods again (`_reattached`): a copy of an
+    attached model is attached, and stays so when the original is detached. It holds its model
+    weakly, so that an attached model is freed as soon as it is dropped.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = weakref.ref(model)
+        _live.add(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        model = self._model()
+        return (_reattached, (model, None if model is None else _registry(model)))
+
+    def run_with_cache(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's own ``run_with_cache``; unfiltered, without the per-head points.
+
+        With no ``names_filter`` (cache everything) the cache holds every hook point it held
+        before `attach`, plus ``hook_conn_walk``; ``hook_conn_gates`` (``[batch, head, query,
+        key]``, as large as the patterns) and ``hook_conn_messages`` (``[batch, key, head,
+        d_model]``, ``d_model / d_head`` times ``hook_z``) are cached only when asked for by
+        name or by a filter: ``names_filter=lambda name: True`` caches every point. Hooks on
+        them (``run_with_hooks``, ``model.hooks``, patching) work as always.
+        """
+        model = self._model()
+        if model is None:
+            raise ConnWalkError("this model no longer exists")
+        method: Callable[..., Any] = type(model).run_with_cache  # type: ignore[attr-defined]
+        if _names_filter_given(method, model, args, kwargs):
+            return method(model, *args, **kwargs)
+        registry = _registry(model)
+        entries = list(registry.items())
+        for name, _ in entries:
+            if name.endswith(PER_HEAD_POINTS):
+                del registry[name]
+        try:
+            return method(model, *args, **kwargs)
+        finally:  # the same entries in the same order
+            registry.clear()
+            registry.update(entries)
+
+
+def _reattached(model: nn.Module | None, registry: dict[str, Any] | None) -> _Attachment | None:
+    """The attachment of a copy (deep copy or unpickled) of an attached model."""
+    if model is None:
+        return None
+    if registry is not None and is_bridge(model):
+        bridge_hooks.restore_key_names(registry)
+    _register_cache_methods()
+    return _Attachment(model)
+
+
 def _hooks_module(model: nn.Module) -> Any:
     """`tl_connwalk.bridge_hooks` for a ``TransformerBridge``, else `tl_connwalk.hooks`."""
     return bridge_hooks if is_bridge(model) else hooks
 
 
 def is_attached(model: nn.Module) -> bool:
-    """Whether ``attach(model)`` is in effect."""
-    return model in _attached
+    """Whether ``attach(model)`` is in effect (also on a copy of an attached model)."""
+    return isinstance(vars(model).get(_ATTACHMENT), _Attachment)
 
 
 def attach(model: nn.Module) -> nn.Module:
@@ -89,6 +182,12 @@ def attach(model: nn.Module) -> nn.Module:
     (`tl_connwalk.hooks`, `tl_connwalk.bridge_hooks`). Idempotent;
     changes no parameter, buffer, output or config. Returns ``model``.
 
+    An unfiltered ``model.run_with_cache(tokens)`` then caches ``hook_conn_walk`` (``1 / H`` of
+    the patterns' memory) but not ``hook_conn_gates`` and ``hook_conn_messages``, whose
+    ``[batch, head, query, key]`` and ``[batch, key, head, d_model]`` tensors would add half
+    again to the cache: name them, or pass ``names_filter=lambda name: True``, to cache them.
+    Copies of the model (``copy.deepcopy``, ``torch.save``/``torch.load``) are attached too.
+
     >>> model = tl_connwalk.attach(model)
     >>> _, cache = model.run_with_cache(tokens)
     >>> cache.connection_walk(0)
@@ -98,14 +197,21 @@ def attach(model: nn.Module) -> nn.Module:
     _check_cache_methods()
     _hooks_module(model).install(model)
     _register_cache_methods()
-    _attached.add(model)
+    if not is_attached(model):
+        attachment = _Attachment(model)
+        model.__dict__[_ATTACHMENT] = attachment
+        model.__dict__["run_with_cache"] = attachment.run_with_cache
     return model
 
 
 def detach(model: nn.Module) -> nn.Module:
-    """Undo `attach` exactly; the cache methods go with the last attached model."""
+    """Undo `attach` exactly; the cache methods go when no attached model (or copy of one) is
+    left. Never changes another model, a copy included."""
     _hooks_module(model).uninstall(model)
-    _attached.discard(model)
-    if not _attached:
+    attachment = model.__dict__.pop(_ATTACHMENT, None)
+    if isinstance(attachment, _Attachment):
+        _live.discard(attachment)
+        model.__dict__.pop("run_with_cache", None)
+    if not _live:
         _unregister_cache_methods()
     return model

@@ -433,8 +433,9 @@ class _LayerTerms:
 
 
 def _versions(walk: "ConnectionWalk") -> tuple[int, ...]:
-    """In-place edits of a walk's field or weights bump these (``Tensor._version``)."""
-    return tuple(t._version for t in (walk.field, walk.W_V, walk.W_O))
+    """In-place edits of a walk's field or weights bump these (``Tensor._version``; -1 for an
+    inference tensor, which keeps no counter and cannot be edited outside inference mode)."""
+    return tuple(-1 if t.is_inference() else t._version for t in (walk.field, walk.W_V, walk.W_O))
 
 
 def _layer_terms(walk: "ConnectionWalk") -> _LayerTerms:

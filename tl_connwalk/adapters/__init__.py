@@ -27,6 +27,8 @@ class Adapter(Protocol):
 
     def required_hooks(self, model: nn.Module, layer: int) -> list[str]: ...  # patterns first
 
+    def check_supported(self, model: nn.Module, layer: int) -> None: ...  # ConnWalkError: why
+
     def pattern_from_cache(
         self, cache: ActivationCache, model: nn.Module, layer: int
     ) -> Tensor: ...

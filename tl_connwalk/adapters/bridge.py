@@ -20,6 +20,7 @@ from transformer_lens import ActivationCache
 from tl_connwalk.adapters.checks import batched, check_field, check_pattern
 from tl_connwalk.adapters.versions import TransformerBridge, is_bridge
 from tl_connwalk.adapters.weights import inferred_processing
+from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.walk import ConnectionWalk
 
 NAME = "transformer_lens.model_bridge.TransformerBridge"
@@ -40,6 +41,56 @@ def n_layers(model: nn.Module) -> int:
 def required_hooks(model: nn.Module, layer: int) -> list[str]:
     """The cache entries one layer's walk is built from."""
     return [f"blocks.{layer}.attn.hook_pattern", f"blocks.{layer}.attn.hook_in"]
+
+
+def unsupported(model: nn.Module, layer: int) -> str | None:
+    """Why layer ``layer``'s connection walk cannot be built on this Bridge, in the terms of its
+    architecture; None when it can.
+
+    The walk's transports and messages need the attention's per-head value and output maps
+    ``W_V`` ``[kv_head, d_model, d_head]`` and ``W_O`` ``[head, d_head, d_model]`` (spec §1.2),
+    which TransformerLens does not expose on opaque attention components (no output projection
+    ``o``, e.g. the pretrain adapter's ``NativeForwardAttentionBridge``) nor on multi-head latent
+    attention (``MLAAttentionBridge``: values come from a normalised latent, not a linear map of
+    the field).
+    """
+    attn = _bridge(model).blocks[layer].attn
+    where = f"blocks.{layer}.attn ({type(attn).__name__})"
+    if not isinstance(attn._modules.get("o"), nn.Module):
+        return (
+            f"{where} has no output projection `o`: TransformerLens runs this attention as one "
+            "opaque module, so its patterns and its value and output maps cannot be reached"
+        )
+    try:
+        W_V, W_O = attn.W_V, attn.W_O
+    except Exception as error:  # whatever this architecture's accessors raise
+        return f"{where} has no per-head value and output maps W_V, W_O: {str(error).rstrip('.')}"
+    shapes_ok = (
+        isinstance(W_V, Tensor)
+        and isinstance(W_O, Tensor)
+        and W_V.ndim == W_O.ndim == 3
+        and W_V.shape[1] == W_O.shape[2]
+        and W_V.shape[2] == W_O.shape[1]
+        and W_O.shape[0] % W_V.shape[0] == 0
+    )
+    if not shapes_ok:
+        return (
+            f"{where} shows W_V {tuple(getattr(W_V, 'shape', ()))} and W_O "
+            f"{tuple(getattr(W_O, 'shape', ()))}, not [kv_head, d_model, d_head] and "
+            "[head, d_head, d_model]"
+        )
+    return None
+
+
+def check_supported(model: nn.Module, layer: int) -> None:
+    """Raise `ConnWalkError` saying why, when layer ``layer``'s connection walk cannot be built."""
+    reason = unsupported(model, layer)
+    if reason is not None:
+        raise ConnWalkError(
+            f"no connection walk for layer {layer}: {reason}. On this architecture only the "
+            f"walk and gates are available (tl_connwalk.walk_matrix(cache, {layer}), and the "
+            "hook points hook_conn_walk and hook_conn_gates where the attention has patterns)."
+        )
 
 
 def _weights(model: nn.Module, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -78,6 +129,7 @@ def pattern_from_cache(cache: ActivationCache, model: nn.Module, layer: int) -> 
 
 def walk_from_cache(cache: ActivationCache, model: nn.Module, layer: int) -> ConnectionWalk:
     """Layer ``layer``'s connection walk from a cache of ``model`` (hooks checked by the caller)."""
+    check_supported(model, layer)
     field_name = required_hooks(model, layer)[1]
     pattern = pattern_from_cache(cache, model, layer)
     field = batched(cache[field_name], field_name, cache.has_batch_dim, 3)

@@ -90,6 +90,10 @@ def _is_encoder(model: nn.Module) -> bool:
     return _HOOKED_ENCODER is not None and isinstance(model, _HOOKED_ENCODER)
 
 
+def check_supported(model: nn.Module, layer: int) -> None:
+    """Every attention layer of these classes has per-head value and output maps: no-op."""
+
+
 def required_hooks(model: nn.Module, layer: int) -> list[str]:
     """The cache entries one layer's walk is built from."""
     return [f"blocks.{layer}.attn.hook_pattern", _field_hook(model, layer)]
