@@ -40,7 +40,10 @@ def test_report_on_a_toy_model(tmp_path, capsys):
 BAR = re.compile(r"\d+%\|")  # how tqdm draws a bar: "  58%|█████▊    | 157/272"
 
 
-@pytest.mark.parametrize("backend", ["hooked", "bridge"] if HAS_HOOKED else ["bridge"])
+@pytest.mark.parametrize(
+    "backend",
+    (["hooked"] if HAS_HOOKED else []) + [pytest.param("bridge", marks=bridge_only)],
+)
 def test_no_progress_draws_no_bar(tmp_path, capfd, backend):
     """A local model's report: its loading bar is drawn by default, and nothing with
     --no-progress (stderr captured at the file descriptor)."""

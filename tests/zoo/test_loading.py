@@ -6,6 +6,7 @@ import re
 import pytest
 import torch
 import transformer_lens
+import transformers
 
 import tl_connwalk
 from tests.architectures import HAS_HOOKED, hooked_only
@@ -139,6 +140,10 @@ def test_encoder_from_a_bert_model_wheel(tmp_path):
 
 
 @hooked_only
+@pytest.mark.skipif(
+    int(transformers.__version__.split(".")[0]) < 5,
+    reason="transformers 4 (beside TransformerLens 2.x) draws no loading bar to hide",
+)
 def test_progress_false_hides_conversion_and_loading_bars(tmp_path, monkeypatch, capfd):
     """A zoo model's first load (conversion from its wheel, then loading) draws bars by
     default and none with progress=False; the bars' setting is restored afterwards."""
