@@ -143,12 +143,17 @@ def geometry_table(
         walks.pop(layer - 1, None)  # no longer needed: keep memory at two layers
         if residuals is not None and layer in residuals:
             res = residuals[layer]
-            if res.exclude_sink != exclude_sink or res.edges_masked != (edges is not None):
+            if (
+                res.exclude_sink != exclude_sink
+                or res.edges_masked != (edges is not None)
+                or res.heads != names.get(layer)
+            ):
                 raise ConnWalkError(
-                    f"residuals[{layer}] has exclude_sink={res.exclude_sink} and "
-                    f"{'an' if res.edges_masked else 'no'} edge mask, the table "
-                    f"exclude_sink={exclude_sink} and {'an' if edges is not None else 'no'} "
-                    "edge mask: pass residuals measured the same way."
+                    f"residuals[{layer}] has exclude_sink={res.exclude_sink}, "
+                    f"{'an' if res.edges_masked else 'no'} edge mask and heads={res.heads}, the "
+                    f"table exclude_sink={exclude_sink}, {'an' if edges is not None else 'no'} "
+                    f"edge mask and heads={names.get(layer)}: pass residuals measured the same "
+                    "way."
                 )
         else:
             res = walk.laplacian_residual(

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from tl_connwalk.adapters import adapter_for, resolve_layer
+from tl_connwalk.adapters.hooked_transformer import is_encoder
 from tl_connwalk.analysis import geometry_table
 from tl_connwalk.cache import n_layers_of_model, required_hooks
 from tl_connwalk.core.moments import Moments
@@ -187,9 +188,7 @@ def _masks(mask: Tensor | None, data: Any, batch_size: int) -> Iterator[Tensor |
 
 def _mask_argument(model: nn.Module) -> str:
     """The name ``run_with_cache`` takes the attention mask by: ``HookedEncoder`` has its own."""
-    return (
-        "one_zero_attention_mask" if type(model).__name__ == "HookedEncoder" else ("attention_mask")
-    )
+    return "one_zero_attention_mask" if is_encoder(model) else "attention_mask"
 
 
 def analyze(

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import tl_connwalk
+from tests import tolerances
 from tests.architectures import build, cached_bridge, hooked_only, tokens
 from tests.tolerances import rtol
 
@@ -36,7 +37,7 @@ def check_knockout(model, toks):
         -1,
     )
     size = result.target_value.abs().max().item()
-    atol = 64 * torch.finfo(result.scores.dtype).eps * size  # two softmax paths, same sums
+    atol = tolerances.atol(result.scores.dtype, scale=size)  # two softmax paths, same sums
     torch.testing.assert_close(result.scores, expected, rtol=0, atol=atol)
     assert (result.scores[:, 7:] == 0).all(), "a key after the target position mattered"
     torch.testing.assert_close(result.scores.sum(-1) + result.bias, result.target_value)

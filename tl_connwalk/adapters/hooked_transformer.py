@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from transformer_lens import ActivationCache
 
 from tl_connwalk.adapters.checks import batched, check_field, check_pattern
+from tl_connwalk.adapters.versions import transformer_lens_version
 from tl_connwalk.adapters.weights import inferred_processing
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.walk import ConnectionWalk
@@ -81,12 +82,13 @@ def n_layers(model: nn.Module) -> int:
 def _field_hook(model: nn.Module, layer: int) -> str:
     cfg = _hooked(model).cfg
     post_norm = cfg.original_architecture in POST_NORM_ARCHITECTURES
-    if cfg.normalization_type is None or post_norm or _is_encoder(model):
+    if cfg.normalization_type is None or post_norm or is_encoder(model):
         return f"blocks.{layer}.hook_resid_pre"
     return f"blocks.{layer}.ln1.hook_normalized"
 
 
-def _is_encoder(model: nn.Module) -> bool:
+def is_encoder(model: nn.Module) -> bool:
+    """Whether ``model`` is a ``HookedEncoder`` (never on TransformerLens 4.x)."""
     return _HOOKED_ENCODER is not None and isinstance(model, _HOOKED_ENCODER)
 
 
@@ -142,32 +144,17 @@ def _value_input(cache: ActivationCache, model: nn.Module, layer: int, n_pos: in
     return x
 
 
-_AFFINE_INSIDE_HOOK: dict[type, bool] = {}
-
-
 def _normalized_includes_affine(norm: nn.Module) -> bool:
     """Whether ``norm.hook_normalized`` sees ``norm``'s output, affine part included.
 
     TransformerLens 2.x's ``LayerNorm`` hooks ``x * w + b``; its ``RMSNorm`` and every 3.x norm
-    hook before the affine part. Found once per norm class by running it on one random row with
-    a plain forward hook on the hook point (nothing is added to the model's own hooks).
+    hook before the affine part. Decided by the class and the version, never by running the
+    norm (whose weights may hide the difference: ``w = 1, b = 0`` at initialisation).
     """
-    kind = type(norm)
-    if kind not in _AFFINE_INSIDE_HOOK:
-        seen: list[Tensor] = []
-        hook_point = cast(nn.Module, norm.hook_normalized)
-        handle = hook_point.register_forward_hook(lambda _m, _i, output: seen.append(output))
-        weight = cast(Tensor, norm.w)
-        try:
-            with torch.no_grad():
-                row = torch.randn(
-                    1, 1, weight.shape[-1], generator=torch.Generator().manual_seed(0)
-                )
-                output = norm(row.to(weight))
-        finally:
-            handle.remove()
-        _AFFINE_INSIDE_HOOK[kind] = bool(torch.equal(seen[0], output))
-    return _AFFINE_INSIDE_HOOK[kind]
+    if not transformer_lens_version().startswith("2."):
+        return False
+    components = importlib.import_module("transformer_lens.components")
+    return isinstance(norm, components.LayerNorm)
 
 
 def pattern_from_cache(cache: ActivationCache, model: nn.Module, layer: int) -> Tensor:

@@ -59,7 +59,8 @@ def attribute(
     forward pass for the bias, however many sources there are.
 
     Args:
-        model: a TransformerLens ``HookedTransformer`` or decoder ``TransformerBridge``.
+        model: a TransformerLens ``HookedTransformer``, ``HookedEncoder`` (a masked position's
+            logit) or decoder ``TransformerBridge``.
         input: tokens ``[batch, pos]`` (or ``[pos]``), a text, or texts of one length.
         target: ``None``: the top predicted token's logit; a token id (or ``[batch]`` ids):
             its logit; ``(token, other)``: ``logit(token) - logit(other)``; a float

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 from transformer_lens import ActivationCache
 
+from tl_connwalk.adapters.versions import is_bridge
 from tl_connwalk.analysis import layer_drift
 from tl_connwalk.cache import connection_walk, required_hooks
 from tl_connwalk.residual import LaplacianResidual
@@ -56,10 +57,6 @@ class Measurements:
     drift: dict[str, np.ndarray]
 
 
-def _is_bridge(model: nn.Module) -> bool:
-    return type(model).__name__ == "TransformerBridge"
-
-
 def _has_ln1_post(model: nn.Module) -> bool:
     return bool(getattr(model.cfg, "use_normalization_before_and_after", False))
 
@@ -71,7 +68,7 @@ def output_hook(model: nn.Module, layer: int) -> str | None:
     ``HookedTransformer``/``HookedEncoder`` unless the model normalises after attention
     (``ln1_post``), where the output is captured from the attention module instead.
     """
-    if _is_bridge(model):
+    if is_bridge(model):
         return f"blocks.{layer}.attn.o.hook_out"
     return None if _has_ln1_post(model) else f"blocks.{layer}.hook_attn_out"
 
@@ -81,7 +78,7 @@ def _module_outputs(model: nn.Module, layers: Sequence[int]) -> Iterator[dict[in
     # the attention module's own output, before ln1_post (no hook point holds it)
     outputs: dict[int, Tensor] = {}
     handles = []
-    if not _is_bridge(model) and _has_ln1_post(model):
+    if not is_bridge(model) and _has_ln1_post(model):
         for layer in layers:
             attn = model.blocks[layer].attn  # type: ignore[index, union-attr]
             handles.append(
