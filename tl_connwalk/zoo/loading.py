@@ -148,7 +148,7 @@ def _hooked_class(class_name: str) -> Any:
         cls = None
     if cls is None:
         raise ConnWalkError(
-            f"backend='hooked' needs TransformerLens 3.x ({class_name}); TransformerLens "
+            f"backend='hooked' needs TransformerLens 2.16+ or 3.x ({class_name}); TransformerLens "
             f"{getattr(transformer_lens, '__version__', '4.x')} has none. Install "
             "transformer-lens<4, or load it with backend='bridge'."
         )
@@ -290,7 +290,7 @@ def _load_by_official_name(
         from transformer_lens import loading_from_pretrained as loading
     except ImportError:  # TransformerLens 4.x
         raise ConnWalkError(
-            f"{unknown} (with backend='hooked', which needs TransformerLens 3.x)."
+            f"{unknown} (with backend='hooked', which needs TransformerLens 2.16+ or 3.x)."
         ) from None
     try:
         official = loading.get_official_model_name(name)
