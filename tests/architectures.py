@@ -137,6 +137,24 @@ def build(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> An
     return model if dtype == torch.float32 else model.to(dtype)
 
 
+def hooked_encoder(seed: int = 0) -> Any:
+    """A tiny random ``HookedEncoder`` (BERT-style: bidirectional, post-norm), in eval mode."""
+    from transformer_lens import HookedEncoder
+
+    cfg = HookedTransformerConfig(
+        n_layers=2, d_model=24, n_heads=4, d_head=6, d_mlp=32, n_ctx=16, d_vocab=40,
+        act_fn="gelu", attention_dir="bidirectional", normalization_type="LN",
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        model = HookedEncoder(cfg)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(0.2 * torch.randn(param.shape, generator=generator))
+    return model.eval()
+
+
 def tokens(batch: int = 2, pos: int = 9, seed: int = 1) -> torch.Tensor:
     return torch.randint(
         0, BASE["d_vocab"], (batch, pos), generator=torch.Generator().manual_seed(seed)

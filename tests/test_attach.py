@@ -15,6 +15,7 @@ from tests.architectures import (
     attention_output,
     bridge_tokens,
     build,
+    hooked_encoder,
     hooked_only,
     tokens,
 )
@@ -149,21 +150,6 @@ def test_a_raising_user_hook_leaves_no_hook_and_no_stale_state(gpt2, point):
 # --- every model class: inference mode, copies, the cache budget ---------------------------
 
 
-def _hooked_encoder():
-    from transformer_lens import HookedEncoder, HookedTransformerConfig
-
-    cfg = HookedTransformerConfig(
-        n_layers=2, d_model=24, n_heads=4, d_head=6, d_mlp=32, n_ctx=16, d_vocab=40,
-        act_fn="gelu", attention_dir="bidirectional", normalization_type="LN",
-    )  # fmt: skip
-    model = HookedEncoder(cfg)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(0.2 * torch.randn(param.shape, generator=generator))
-    return model.eval()
-
-
 #: model builders (name -> (builder, tokens)) for the model classes this TransformerLens has
 MODELS = {
     "bridge_llama": (lambda: random_bridge("llama"), lambda: bridge_tokens()),
@@ -174,7 +160,7 @@ MODELS = {
 }
 if HAS_HOOKED:
     MODELS["hooked_llama"] = (lambda: build("llama_gqa_rotary"), lambda: tokens())
-    MODELS["hooked_encoder"] = (_hooked_encoder, lambda: tokens())
+    MODELS["hooked_encoder"] = (hooked_encoder, lambda: tokens())
 
 
 def _every_point(model) -> list[str]:

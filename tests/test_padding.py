@@ -11,14 +11,20 @@ and with the mask given.
 
 import dataclasses
 import math
-import warnings
 from typing import Any
 
 import pytest
 import torch
 
 import tl_connwalk
-from tests.architectures import HAS_HOOKED, bridge_tokens, build, cached_bridge, hooked_only
+from tests.architectures import (
+    HAS_HOOKED,
+    bridge_tokens,
+    build,
+    cached_bridge,
+    hooked_encoder,
+    hooked_only,
+)
 from tests.architectures import tokens as hooked_tokens
 from tests.tolerances import rtol
 from tl_connwalk import ConnWalkError
@@ -179,23 +185,6 @@ def test_tables_of_a_padded_batch_are_the_means_of_the_sequences(side: str) -> N
     model = build("gpt2_ln") if HAS_HOOKED else cached_bridge("gpt2", False)
     toks = hooked_tokens(batch=2, pos=N_POS) if HAS_HOOKED else bridge_tokens(2, N_POS)
     check_tables(model, toks, side, "attention_mask")
-
-
-def hooked_encoder() -> Any:
-    from transformer_lens import HookedEncoder, HookedTransformerConfig
-
-    cfg = HookedTransformerConfig(
-        n_layers=2, d_model=24, n_heads=4, d_head=6, d_mlp=32, n_ctx=16, d_vocab=40,
-        act_fn="gelu", attention_dir="bidirectional", normalization_type="LN",
-    )  # fmt: skip
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = HookedEncoder(cfg)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(0.2 * torch.randn(param.shape, generator=generator))
-    return model
 
 
 @hooked_only

@@ -5,7 +5,7 @@ import torch
 from einops import einsum
 
 import tl_connwalk
-from tests.architectures import build, hooked_only, tokens
+from tests.architectures import build, hooked_encoder, hooked_only, tokens
 from tests.tolerances import assert_close
 
 pytestmark = hooked_only
@@ -125,17 +125,7 @@ def test_processing_is_reported():
 
 def test_hooked_encoder_with_padding():
     """HookedEncoder (BERT, post-norm): field hook_resid_pre; padded keys are off the walk."""
-    from transformer_lens import HookedEncoder, HookedTransformerConfig
-
-    cfg = HookedTransformerConfig(
-        n_layers=2, d_model=24, n_heads=4, d_head=6, d_mlp=32, n_ctx=16, d_vocab=40,
-        act_fn="gelu", attention_dir="bidirectional", normalization_type="LN",
-    )  # fmt: skip
-    model = HookedEncoder(cfg)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(0.2 * torch.randn(param.shape, generator=generator))
+    model = hooked_encoder()
     toks = tokens(batch=2, pos=7)
     mask = torch.ones_like(toks)
     mask[1, 4:] = 0
