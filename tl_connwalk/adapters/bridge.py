@@ -55,6 +55,8 @@ def unsupported(model: nn.Module, layer: int) -> str | None:
     the field).
     """
     attn = _bridge(model).blocks[layer].attn
+    if any(param.is_meta for param in attn.parameters()):
+        return None  # offloaded weights: `checks.check_layer_devices` says what to do
     where = f"blocks.{layer}.attn ({type(attn).__name__})"
     if not isinstance(attn._modules.get("o"), nn.Module):
         return (
