@@ -67,10 +67,10 @@ def test_transformer_lens_4_has_no_hooked_backend(monkeypatch, tmp_path):
     save_tiny("gpt2", tmp_path / "tiny")
     if HAS_HOOKED:  # on 4.x the name is already gone
         monkeypatch.delattr(transformer_lens, "HookedTransformer")
-    with pytest.raises(ConnWalkError, match="needs TransformerLens 3.x"):
+    with pytest.raises(ConnWalkError, match=r"needs TransformerLens 2.16\+ or 3.x"):
         load(str(tmp_path / "tiny"))
     monkeypatch.setenv("TL_CONNWALK_CACHE", str(tmp_path / "cache"))
-    with pytest.raises(ConnWalkError, match="needs TransformerLens 3.x"):
+    with pytest.raises(ConnWalkError, match=r"needs TransformerLens 2.16\+ or 3.x"):
         load("smollm2-135m")
     assert not (tmp_path / "cache").exists()  # refused before downloading anything
 
