@@ -29,10 +29,15 @@ def close(page_values, expected: torch.Tensor) -> None:
 def single_routes(result: Attribution, count: int) -> list[Route]:
     """The ``count`` largest one-component routes: a component's direct path from a source."""
     parts, names = result.by_component(), result.component_names()
-    batch, n_comp, n_pos = parts.shape
+    _, n_comp, n_pos = parts.shape
     order = parts.abs().flatten().argsort(descending=True)[:count].tolist()
     return [
-        Route(i // (n_comp * n_pos), i % n_pos, (names[i // n_pos % n_comp],), parts.flatten()[i].item())
+        Route(
+            i // (n_comp * n_pos),
+            i % n_pos,
+            (names[i // n_pos % n_comp],),
+            parts.flatten()[i].item(),
+        )
         for i in order
     ]
 
@@ -47,7 +52,10 @@ def test_page_holds_the_scores_targets_and_components(tmp_path):
     for b, seq in enumerate(data["sequences"]):
         close(seq["scores"], result.scores[b])
         close(seq["components"], parts[b])
-        close([seq["target_value"], seq["bias"]], torch.stack([result.target_value[b], result.bias[b]]))
+        close(
+            [seq["target_value"], seq["bias"]],
+            torch.stack([result.target_value[b], result.bias[b]]),
+        )
         assert seq["position"] == 6 and seq["target"] == result.targets[b]
         assert seq["tokens"] == [f"#{t}" for t in result.tokens[b].tolist()]
         assert seq["routes"] is None
@@ -59,7 +67,10 @@ def test_grid_places_each_component_at_its_layer_and_head():
     layout = data["components"]
     n_heads, n_layers = data["n_heads"], data["n_layers"]
     assert (n_layers, n_heads) == (2, 4)
-    cells = {(layer, col): name for name, layer, col in zip(layout["names"], layout["layer"], layout["column"], strict=True)}
+    cells = {
+        (layer, col): name
+        for name, layer, col in zip(layout["names"], layout["layer"], layout["column"], strict=True)
+    }
     for layer in range(n_layers):
         for head in range(n_heads):
             assert cells[layer, head] == f"L{layer}H{head}"
@@ -78,7 +89,12 @@ def test_edges_are_each_layers_strongest_edges_with_their_heads(top):
             per_head = result.edges(layer)[b]
             total = per_head.sum(0)
             ranked = sorted(
-                ((q, k) for q in range(total.shape[0]) for k in range(total.shape[1]) if total[q, k] != 0),
+                (
+                    (q, k)
+                    for q in range(total.shape[0])
+                    for k in range(total.shape[1])
+                    if total[q, k] != 0
+                ),
                 key=lambda edge: -abs(total[edge].item()),
             )[:top]
             assert [(e["query"], e["key"]) for e in shown] == ranked
@@ -96,7 +112,9 @@ def test_routes_are_listed_by_sequence_largest_first_and_checked():
         assert [(r["source"], r["components"]) for r in seq["routes"]] == [
             (r.source, list(r.components)) for r in mine
         ]
-        close([r["contribution"] for r in seq["routes"]], torch.tensor([r.contribution for r in mine]))
+        close(
+            [r["contribution"] for r in seq["routes"]], torch.tensor([r.contribution for r in mine])
+        )
     assert data["notes"]["routes"] is None
     bad = [
         (Route(2, 0, ("L0H0",), 1.0), "outside this attribution's 2 sequence"),
@@ -146,4 +164,6 @@ def test_model_labels_are_its_tokenizers_strings():
     result = tl_connwalk.attribute(model, toks, target=7)
     data = attribution_data(result, model=model)
     assert data["sequences"][0]["tokens"] == [model.tokenizer.decode([t]) for t in toks[0].tolist()]
-    assert data["sequences"][0]["target"] == f"logit[7 \u2018{model.tokenizer.decode([7])}\u2019] @ 4"
+    assert (
+        data["sequences"][0]["target"] == f"logit[7 \u2018{model.tokenizer.decode([7])}\u2019] @ 4"
+    )

@@ -64,7 +64,10 @@ def test_fragments_have_their_own_ids():
     first, second = Page(view([]).fragment()), Page(view([]).fragment())
     ids = [attrs["id"] for page in (first, second) for attrs in page.named("div")[:1]]
     assert len(set(ids)) == 2
-    assert all(f'getElementById("{i}")' in page.scripts[-1][1] for i, page in zip(ids, (first, second)))
+    assert all(
+        f'getElementById("{i}")' in page.scripts[-1][1]
+        for i, page in zip(ids, (first, second), strict=True)
+    )
 
 
 def test_save_writes_the_document(tmp_path):

@@ -149,7 +149,13 @@ def _layout(names: list[str]) -> dict[str, Any]:
             layer.append(int(match[1]))
             column.append(n_heads if match[3] else int(match[2]))
     n_layers = 1 + max(layer, default=-1)
-    return {"names": names, "layer": layer, "column": column, "n_layers": n_layers, "n_heads": n_heads}
+    return {
+        "names": names,
+        "layer": layer,
+        "column": column,
+        "n_layers": n_layers,
+        "n_heads": n_heads,
+    }
 
 
 def _top_edges(edges: Float[Tensor, "head query key"], k: int) -> list[dict[str, Any]]:

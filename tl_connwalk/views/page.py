@@ -19,9 +19,7 @@ from tl_connwalk.errors import ConnWalkError
 STATIC = Path(__file__).parent / "static"
 
 #: what the saved page may load: nothing but its own inline style and script, and data: images
-POLICY = (
-    "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:"
-)
+POLICY = "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:"
 
 Kind = Literal["attribution", "walk"]
 
@@ -77,11 +75,12 @@ class View:
         """
         root = f"cwv-{uuid.uuid4().hex[:16]}"
         script = _asset("common.js") + "\n" + _asset(f"{self.kind}.js")
+        data = embedded_json(self.data)
         render = "renderAttribution" if self.kind == "attribution" else "renderWalk"
         return (
             f'<div class="cwv" id="{root}" data-kind="{self.kind}">\n'
             f"<style>{_asset('view.css')}</style>\n"
-            f'<script type="application/json" class="cwv-data">{embedded_json(self.data)}</script>\n'
+            f'<script type="application/json" class="cwv-data">{data}</script>\n'
             '<div class="cwv-body"><noscript>This view needs JavaScript.</noscript></div>\n'
             f"<script>(function () {{\n{script}\n"
             f'run(document.getElementById("{root}"), {render});\n}})();</script>\n'

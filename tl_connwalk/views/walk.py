@@ -52,8 +52,9 @@ def walk_data(
     ``[query][key]`` (``W``), ``gates`` ``[head][query][key]`` (``g^h``), and when given
     ``edge`` ``[query][key]`` (a contribution per edge, e.g. ``||W_ij x_j T_ij||``) and
     ``head`` ``[head][query][key]`` (per head and edge, e.g. ``||A^h_ij f^h(x_j)||``), else
-    ``None`` (shapes checked here, with a ConnWalkError naming them). The page holds ``O(batch H n^2)`` numbers, each with
-    `tl_connwalk.views.numbers.DIGITS` significant digits.
+    ``None`` (shapes checked here, with a ConnWalkError naming them). The page holds
+    ``O(batch H n^2)`` numbers, each with `tl_connwalk.views.numbers.DIGITS` significant
+    digits.
 
     >>> walk_data(walk)["sequences"][0]["gates"][0][0][0] == round(walk.gates[0, 0, 0, 0].item(), 6)
     True

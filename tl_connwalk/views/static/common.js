@@ -186,7 +186,7 @@ function heatmap(matrix, colour, opts) {
   const rows = matrix.length;
   const cols = rows ? matrix[0].length : 0;
   const cell = opts.cell || Math.max(2, Math.min(22, Math.floor((opts.size || 360) / Math.max(cols, 1))));
-  const margin = opts.labels ? opts.margin || 90 : 0;
+  const margin = opts.labels && cell >= 8 ? 90 : 0;
   const canvas = el("canvas", { role: "img", "aria-label": opts.label || "heatmap" });
   const ratio = window.devicePixelRatio || 1;
   const w = margin + cols * cell;
@@ -204,7 +204,7 @@ function heatmap(matrix, colour, opts) {
         cell - (cell > 6 ? 1 : 0));
     }
   }
-  if (opts.labels && cell >= 8) {
+  if (margin) {
     ctx.fillStyle = "#333";
     ctx.font = Math.min(11, cell - 1) + "px ui-monospace, Menlo, Consolas, monospace";
     ctx.textBaseline = "middle";

@@ -97,6 +97,8 @@ function renderWalk(body, data, tip) {
     const s = seq();
     const i = state.query;
     const weights = s.edge || s.walk;
+    // one scale for every query: W is at most 1, a contribution at most the largest one
+    const vmax = s.edge ? maxAbs(s.edge) : 1;
     const edges = [];
     for (let j = 0; j < s.tokens.length; j++) {
       if (!(s.real[i] && s.real[j]) || s.walk[i][j] <= 0) continue;
@@ -106,8 +108,8 @@ function renderWalk(body, data, tip) {
     const what = s.edge ? "edge contribution" : "walk weight W\u1d62\u2c7c";
     box.append(el("h2", {}, "Edges into " + tokenName(i) + ", width by " + what),
       el("p", { class: "cwv-note" }, "Click a row of a heatmap to choose the query; arcs run from each key (sender) to the query (dot)."),
-      arcDiagram(s.tokens, edges, { width: body.clientWidth || 1100, tip, marked: i,
-        dim: s.real.map((r) => !r), colour: (e) => sequential(0.4 + 0.6 * strength(e.value, maxAbs(edges.map((x) => x.value))), 1),
+      arcDiagram(s.tokens, edges, { width: body.clientWidth || 1100, tip, marked: i, vmax,
+        dim: s.real.map((r) => !r), colour: (e) => sequential(0.35 + 0.65 * strength(e.value, vmax), 1),
         label: "edges into position " + i }));
   }
 
