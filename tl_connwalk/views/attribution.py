@@ -32,7 +32,8 @@ def attribution_view(
 ) -> View:
     """The `View` of ``result`` (`attribution_data` gathers its numbers).
 
-    >>> attribution_view(result).save(tmp_path / "attribution.html").exists()
+    >>> view = attribution_view(tl_connwalk.attribute(model, tokens), model=model)
+    >>> view.html().startswith("<!DOCTYPE html>")
     True
     """
     data = attribution_data(
@@ -67,7 +68,7 @@ def attribution_data(
     ``method="connection"``) are ``None``, with the reason in ``data["notes"]``. Numbers keep
     `tl_connwalk.views.numbers.DIGITS` significant digits.
 
-    >>> data = attribution_data(result, top_edges=3)
+    >>> data = attribution_data(tl_connwalk.attribute(model, tokens), top_edges=3)
     >>> len(data["sequences"]), len(data["sequences"][0]["edges"][0])
     (2, 3)
     """

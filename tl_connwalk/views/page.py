@@ -70,7 +70,7 @@ class View:
     def fragment(self) -> str:
         """The view as one ``<div>``, for a notebook cell or any page (styles scoped to it).
 
-        >>> view.fragment().startswith('<div class="cwv"')
+        >>> View("walk", "a walk", {"sequences": []}).fragment().startswith('<div class="cwv"')
         True
         """
         root = f"cwv-{uuid.uuid4().hex[:16]}"
