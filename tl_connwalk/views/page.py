@@ -9,6 +9,7 @@ can close its element (`embedded_json`).
 
 import dataclasses
 import functools
+import html
 import json
 import uuid
 from pathlib import Path
@@ -89,12 +90,10 @@ class View:
 
     def html(self) -> str:
         """The view as a whole HTML document that loads nothing from anywhere."""
-        from html import escape
-
         return (
             '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">\n'
             f'<meta http-equiv="Content-Security-Policy" content="{POLICY}">\n'
-            f"<title>{escape(self.title)}</title>\n"
+            f"<title>{html.escape(self.title)}</title>\n"
             "<style>body { margin: 16px 24px; background: #fff; }</style>\n"
             f"</head><body>\n{self.fragment()}\n</body></html>\n"
         )

@@ -34,7 +34,7 @@ function renderAttribution(body, data, tip) {
     parts.chips = s.tokens.map((label, i) => {
       const chip = el("span", {
         class: "cwv-tok" + (i === s.position ? " target" : ""),
-        title: "", "data-pos": String(i),
+        "data-pos": String(i),
         style: { background: diverging(s.scores[i], max), color: inkOn(s.scores[i], max) },
         on: {
           mouseenter: () => { if (!state.pinned) select(i); },
