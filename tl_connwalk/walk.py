@@ -10,6 +10,7 @@ from a TransformerLens cache with ``cache.connection_walk(layer)`` (after
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, overload
 
 import torch
@@ -304,6 +305,55 @@ class ConnectionWalk:
         `tl_connwalk.residual.isometry_defects`.
         """
         return residual.isometry_defects(self, kind, edges=edges, heads=heads)
+
+    def show(
+        self,
+        *,
+        str_tokens: Sequence[str] | Sequence[Sequence[str]] | None = None,
+        edge_contributions: Tensor | None = None,
+        head_contributions: Tensor | None = None,
+    ) -> None:
+        """Display this walk in a Jupyter notebook, as `to_html` draws it."""
+        from tl_connwalk.views import walk_view
+
+        walk_view(
+            self,
+            str_tokens=str_tokens,
+            edge_contributions=edge_contributions,
+            head_contributions=head_contributions,
+        ).show()
+
+    def to_html(
+        self,
+        path: str | Path,
+        *,
+        str_tokens: Sequence[str] | Sequence[Sequence[str]] | None = None,
+        edge_contributions: Tensor | None = None,
+        head_contributions: Tensor | None = None,
+    ) -> Path:
+        """Write this walk to ``path`` as one self-contained HTML page; returns the path.
+
+        The page (`tl_connwalk.views`) shows the walk ``W`` as a heatmap, the gates and
+        per-head patterns of the edge under the pointer, the incoming edges of a query as
+        arcs, and every head's gates; ``edge_contributions`` ``[batch, query, key]`` and
+        ``head_contributions`` ``[batch, head, query, key]`` (one number per edge, and per
+        head and edge) are drawn when given. ``str_tokens`` label the positions (e.g.
+        ``model.to_str_tokens(tokens)``). It loads nothing from anywhere: open it in any
+        browser, offline.
+
+        >>> import tempfile
+        >>> walk.to_html(f"{tempfile.mkdtemp()}/walk.html").name
+        'walk.html'
+        """
+        from tl_connwalk.views import walk_view
+
+        view = walk_view(
+            self,
+            str_tokens=str_tokens,
+            edge_contributions=edge_contributions,
+            head_contributions=head_contributions,
+        )
+        return view.save(path)
 
     def __repr__(self) -> str:
         batch, n_heads, n_pos, _ = self.gates.shape

@@ -1,13 +1,15 @@
 """``Attribution``: the record `tl_connwalk.attribute` returns, the same for every method."""
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from tl_connwalk.attribution.routes import Route
 from tl_connwalk.errors import ConnWalkError
 
 
@@ -56,6 +58,51 @@ class Attribution:
             f"Attribution(method={self.method!r}, batch={batch}, sources={n_pos}, "
             f"targets={list(self.targets)})"
         )
+
+    def show(
+        self,
+        *,
+        model: Any = None,
+        str_tokens: Sequence[str] | Sequence[Sequence[str]] | None = None,
+        routes: Sequence[Route] | None = None,
+        top_edges: int = 8,
+    ) -> None:
+        """Display this attribution in a Jupyter notebook, as `to_html` draws it."""
+        from tl_connwalk.views import attribution_view
+
+        attribution_view(
+            self, model=model, str_tokens=str_tokens, routes=routes, top_edges=top_edges
+        ).show()
+
+    def to_html(
+        self,
+        path: str | Path,
+        *,
+        model: Any = None,
+        str_tokens: Sequence[str] | Sequence[Sequence[str]] | None = None,
+        routes: Sequence[Route] | None = None,
+        top_edges: int = 8,
+    ) -> Path:
+        """Write this attribution to ``path`` as one self-contained HTML page; returns the path.
+
+        The page (`tl_connwalk.views`) shows the source tokens coloured by score, the target
+        position marked; hovering or clicking a token shows its direct paths and its
+        ``routes``; a layer-by-head grid of each component's direct path (`by_component`);
+        and each layer's ``top_edges`` strongest edges (`edges`) as arcs. ``model`` (its
+        tokenizer) or ``str_tokens`` label the tokens, else their ids do. It loads nothing
+        from anywhere: open it in any browser, offline.
+
+        >>> import tempfile
+        >>> result = tl_connwalk.attribute(model, tokens)
+        >>> result.to_html(f"{tempfile.mkdtemp()}/attribution.html", model=model).name
+        'attribution.html'
+        """
+        from tl_connwalk.views import attribution_view
+
+        view = attribution_view(
+            self, model=model, str_tokens=str_tokens, routes=routes, top_edges=top_edges
+        )
+        return view.save(path)
 
     def _only(self, what: str) -> None:
         if self.method != "connection":

@@ -1,0 +1,169 @@
+"""`Attribution.to_html`: the page embeds the attribution's own numbers, and nothing unsafe."""
+
+import functools
+
+import pytest
+import torch
+
+import tl_connwalk
+from tests.architectures import bridge_only, cached_bridge, default_model, tokens
+from tests.views.pages import RTOL, Page
+from tl_connwalk import Attribution, ConnWalkError
+from tl_connwalk.attribution.routes import Route
+from tl_connwalk.views import attribution_data
+
+HOSTILE = "</script><img src=x onerror=alert(1)>"
+
+
+@functools.cache
+def attribution(method: str = "connection") -> Attribution:
+    return tl_connwalk.attribute(default_model(), tokens(), position=6, method=method)
+
+
+def close(page_values, expected: torch.Tensor) -> None:
+    """The page's numbers equal ``expected`` to the digits it keeps."""
+    got = torch.tensor(page_values, dtype=torch.float64)
+    torch.testing.assert_close(got, expected.detach().double(), rtol=RTOL, atol=0)
+
+
+def single_routes(result: Attribution, count: int) -> list[Route]:
+    """The ``count`` largest one-component routes: a component's direct path from a source."""
+    parts, names = result.by_component(), result.component_names()
+    _, n_comp, n_pos = parts.shape
+    order = parts.abs().flatten().argsort(descending=True)[:count].tolist()
+    return [
+        Route(
+            i // (n_comp * n_pos),
+            i % n_pos,
+            (names[i // n_pos % n_comp],),
+            parts.flatten()[i].item(),
+        )
+        for i in order
+    ]
+
+
+def test_page_holds_the_scores_targets_and_components(tmp_path):
+    result = attribution()
+    page = Page(result.to_html(tmp_path / "a.html").read_text(encoding="utf-8"))
+    data = page.data()
+    assert page.external() == []
+    parts = result.by_component()
+    assert data["components"]["names"] == result.component_names()
+    for b, seq in enumerate(data["sequences"]):
+        close(seq["scores"], result.scores[b])
+        close(seq["components"], parts[b])
+        close(
+            [seq["target_value"], seq["bias"]],
+            torch.stack([result.target_value[b], result.bias[b]]),
+        )
+        assert seq["position"] == 6 and seq["target"] == result.targets[b]
+        assert seq["tokens"] == [f"#{t}" for t in result.tokens[b].tolist()]
+        assert seq["routes"] is None
+
+
+def test_grid_places_each_component_at_its_layer_and_head():
+    result = attribution()
+    data = attribution_data(result)
+    layout = data["components"]
+    n_heads, n_layers = data["n_heads"], data["n_layers"]
+    assert (n_layers, n_heads) == (2, 4)
+    cells = {
+        (layer, col): name
+        for name, layer, col in zip(layout["names"], layout["layer"], layout["column"], strict=True)
+    }
+    for layer in range(n_layers):
+        for head in range(n_heads):
+            assert cells[layer, head] == f"L{layer}H{head}"
+        assert cells[layer, n_heads] == f"L{layer}MLP"
+    assert cells[-1, -1] == "embed"  # off the grid, listed under it
+
+
+@pytest.mark.parametrize("top", [1, 5, 100])
+def test_edges_are_each_layers_strongest_edges_with_their_heads(top):
+    result = attribution()
+    data = attribution_data(result, top_edges=top)
+    assert data["top_edges"] == top
+    for b, seq in enumerate(data["sequences"]):
+        assert len(seq["edges"]) == 2
+        for layer, shown in enumerate(seq["edges"]):
+            per_head = result.edges(layer)[b]
+            total = per_head.sum(0)
+            ranked = sorted(
+                (
+                    (q, k)
+                    for q in range(total.shape[0])
+                    for k in range(total.shape[1])
+                    if total[q, k] != 0
+                ),
+                key=lambda edge: -abs(total[edge].item()),
+            )[:top]
+            assert [(e["query"], e["key"]) for e in shown] == ranked
+            close([e["value"] for e in shown], torch.stack([total[edge] for edge in ranked]))
+            close([e["heads"] for e in shown], torch.stack([per_head[:, q, k] for q, k in ranked]))
+            close(seq["layer_totals"][layer], per_head.sum())
+
+
+def test_routes_are_listed_by_sequence_largest_first_and_checked():
+    result = attribution()
+    routes = single_routes(result, 12)
+    data = attribution_data(result, routes=routes[::-1])
+    for b, seq in enumerate(data["sequences"]):
+        mine = [r for r in routes if r.batch == b]
+        assert [(r["source"], r["components"]) for r in seq["routes"]] == [
+            (r.source, list(r.components)) for r in mine
+        ]
+        close(
+            [r["contribution"] for r in seq["routes"]], torch.tensor([r.contribution for r in mine])
+        )
+    assert data["notes"]["routes"] is None
+    bad = [
+        (Route(2, 0, ("L0H0",), 1.0), "outside this attribution's 2 sequence"),
+        (Route(0, 9, ("L0H0",), 1.0), "source=9"),
+        (Route(0, 0, ("L7H0",), 1.0), r"passes \['L7H0'\]"),
+    ]
+    for route, message in bad:
+        with pytest.raises(ConnWalkError, match=message):
+            attribution_data(result, routes=[route])
+
+
+def test_hostile_tokens_stay_text(tmp_path):
+    result = attribution()
+    labels = [HOSTILE, "<!--", "\"'&", "a\nb", *map(str, range(5))]
+    page = Page(result.to_html(tmp_path / "a.html", str_tokens=labels).read_text(encoding="utf-8"))
+    assert page.named("img") == [] and len(page.scripts) == 2
+    assert not any(name.startswith("on") for _, attrs in page.tags for name in attrs)
+    assert all(seq["tokens"] == labels for seq in page.data()["sequences"])
+
+
+def test_a_baseline_has_scores_only_and_says_why():
+    data = attribution_data(attribution("rollout"))
+    seq = data["sequences"][0]
+    close(seq["scores"], attribution("rollout").scores[0])
+    assert seq["components"] is None and seq["edges"] is None and data["components"] is None
+    assert "method='connection'" in data["notes"]["components"]
+    assert "method='connection'" in data["notes"]["edges"]
+
+
+def test_bad_arguments_are_refused():
+    result = attribution()
+    for top in (0, -1, True):
+        with pytest.raises(ConnWalkError, match="top_edges must be a positive int"):
+            attribution_data(result, top_edges=top)
+    with pytest.raises(ConnWalkError, match="9 strings"):
+        attribution_data(result, str_tokens=["a", "b"])
+    with pytest.raises(ConnWalkError, match="not a str"):
+        attribution_data(result, str_tokens="abcdefghi")
+    with pytest.raises(ConnWalkError, match="no tokenizer"):
+        attribution_data(result, model=object())
+
+
+@bridge_only
+def test_model_labels_are_its_tokenizers_strings():
+    model = cached_bridge("gpt2", False)
+    toks = torch.tensor([[3, 10, 11, 12, 13]])
+    result = tl_connwalk.attribute(model, toks, target=7)
+    data = attribution_data(result, model=model)
+    assert data["sequences"][0]["tokens"] == [model.tokenizer.decode([t]) for t in toks[0].tolist()]
+    assert (
+        data["sequences"][0]["target"] == f"logit[7 \u2018{model.tokenizer.decode([7])}\u2019] @ 4"
+    )

@@ -1,0 +1,243 @@
+// The view of an Attribution: source tokens coloured by score, the selected token's components
+// and routes, the layer-by-head grid and each layer's strongest edges as arcs.
+
+function renderAttribution(body, data, tip) {
+  const state = { batch: 0, selected: null, pinned: false, layer: null, route: null };
+  const parts = {};
+
+  function seq() { return data.sequences[state.batch]; }
+  function tokenName(s) { return "\u2018" + tokenText(seq().tokens[s]) + "\u2019 (" + s + ")"; }
+  function share(value) {
+    const total = seq().target_value;
+    return total ? " (" + (100 * value / total).toFixed(1) + "% of the target)" : "";
+  }
+
+  function header() {
+    const s = seq();
+    const select = batchSelect(data.sequences, (q) => q.target, (b) => {
+      state.batch = b; state.selected = null; state.pinned = false; state.layer = null; draw();
+    });
+    if (select) select.querySelector("select").value = String(state.batch);
+    return el("div", { class: "cwv-header" },
+      el("span", { class: "cwv-title" }, "Attribution"),
+      el("span", { class: "cwv-sub" }, "method " + data.method),
+      el("span", { class: "cwv-sub mono" }, s.target + " = " + plain(s.target_value)),
+      el("span", { class: "cwv-sub" }, "sources " + signed(s.scores.reduce((a, v) => a + v, 0))
+        + ", bias " + signed(s.bias)),
+      select);
+  }
+
+  function tokens() {
+    const s = seq();
+    const max = maxAbs(s.scores);
+    const row = el("div", { class: "cwv-tokens" });
+    parts.chips = s.tokens.map((label, i) => {
+      const chip = el("span", {
+        class: "cwv-tok" + (i === s.position ? " target" : ""),
+        "data-pos": String(i),
+        style: { background: diverging(s.scores[i], max), color: inkOn(s.scores[i], max) },
+        on: {
+          mouseenter: () => { if (!state.pinned) select(i); },
+          click: () => {
+            if (state.pinned && state.selected === i) { state.pinned = false; select(null); }
+            else { state.pinned = true; select(i); }
+          },
+        },
+      }, el("span", { class: "t" }, tokenText(label)), el("span", { class: "v" }, signed(s.scores[i])));
+      row.appendChild(chip);
+      return chip;
+    });
+    row.addEventListener("mouseleave", () => { if (!state.pinned) select(null); });
+    return el("div", {}, el("h2", {}, "Source tokens, coloured by score"), row,
+      divergingLegend(max, "score (blue: raises the target, red: lowers it)"),
+      el("p", { class: "cwv-note" }, "Hover a token to see where its score goes; click to pin it."));
+  }
+
+  function componentBars(values, names) {
+    const order = values.map((v, k) => k).filter((k) => values[k] !== 0)
+      .sort((a, b) => Math.abs(values[b]) - Math.abs(values[a])).slice(0, 8);
+    const max = maxAbs(order.map((k) => values[k]));
+    const grid = el("div", { class: "cwv-bars" });
+    for (const k of order) {
+      const v = values[k];
+      const width = 50 * strength(v, max);
+      const fill = el("span", { class: "fill", style: {
+        left: (v >= 0 ? 50 : 50 - width) + "%", width: width + "%", background: diverging(v, max) } });
+      grid.append(el("span", { class: "mono" }, names[k]),
+        el("span", { class: "track" }, fill, el("span", { class: "mid" })),
+        el("span", { class: "mono" }, signed(v)));
+    }
+    return grid;
+  }
+
+  function routeLine(route) {
+    const hops = [el("span", { class: "hop mono" }, "pos " + route.source)];
+    for (const c of route.components) hops.push("\u2192", el("span", { class: "hop mono" }, c));
+    hops.push("\u2192", el("span", { class: "hop" }, "target"));
+    return el("div", { class: "cwv-route", on: {
+      mouseenter: () => { state.route = route; grid(); },
+      mouseleave: () => { state.route = null; grid(); },
+    } }, ...hops, "  ", el("b", { class: "mono" }, signed(route.contribution)));
+  }
+
+  function details() {
+    const box = parts.details;
+    box.textContent = "";
+    const s = seq();
+    if (state.selected === null) {
+      box.append(el("div", { class: "big" }, "No token selected"),
+        el("p", { class: "cwv-note" }, "Hover or click a source token above."));
+      if (s.routes && s.routes.length) {
+        box.append(el("h3", {}, "Strongest routes"), ...s.routes.slice(0, 8).map(routeLine));
+      }
+      return;
+    }
+    const i = state.selected;
+    box.append(el("div", { class: "big" }, tokenName(i) + (i === s.position ? " \u00b7 target position" : "")),
+      el("div", {}, "score ", el("b", { class: "mono" }, signed(s.scores[i])), share(s.scores[i])));
+    if (s.components) {
+      box.append(el("h3", {}, "Direct paths into the target, from this token"),
+        componentBars(s.components.map((row) => row[i]), data.components.names));
+    }
+    box.append(el("h3", {}, "Routes from this token"));
+    if (!s.routes) {
+      box.append(el("p", { class: "cwv-note" }, data.notes.routes));
+    } else {
+      const mine = s.routes.filter((r) => r.source === i);
+      if (mine.length) box.append(...mine.map(routeLine));
+      else box.append(el("p", { class: "cwv-note" }, "None of the routes shown starts here."));
+    }
+  }
+
+  function passedComponents() {
+    const s = seq();
+    const passed = new Set();
+    const routes = state.route ? [state.route]
+      : s.routes && state.selected !== null ? s.routes.filter((r) => r.source === state.selected) : [];
+    for (const r of routes) for (const c of r.components) passed.add(c);
+    return passed;
+  }
+
+  function grid() {
+    const box = parts.grid;
+    if (!box) return;
+    box.textContent = "";
+    const s = seq();
+    const layout = data.components;
+    const values = s.components.map((row) => state.selected === null
+      ? row.reduce((a, v) => a + v, 0) : row[state.selected]);
+    const inGrid = values.filter((v, k) => layout.layer[k] >= 0);
+    const max = maxAbs(inGrid);
+    const passed = passedComponents();
+    const cell = {};
+    layout.names.forEach((name, k) => { cell[layout.layer[k] + ":" + layout.column[k]] = k; });
+    const head = el("tr", {}, el("th", {}));
+    for (let h = 0; h < data.n_heads; h++) head.appendChild(el("th", {}, "H" + h));
+    head.append(el("td", { class: "gap" }), el("th", {}, "MLP"));
+    const rows = [];
+    for (let l = 0; l < data.n_layers; l++) {
+      const row = el("tr", {}, el("th", {}, "L" + l));
+      for (let c = 0; c <= data.n_heads; c++) {
+        if (c === data.n_heads) row.appendChild(el("td", { class: "gap" }));
+        const k = cell[l + ":" + c];
+        if (k === undefined) { row.appendChild(el("td", {})); continue; }
+        const v = values[k];
+        row.appendChild(el("td", {
+          class: (c === data.n_heads ? "mlp" : "") + (passed.has(layout.names[k]) ? " passed" : ""),
+          "data-component": layout.names[k],
+          style: { background: diverging(v, max) },
+          on: {
+            mousemove: (ev) => tip.show(ev, layout.names[k] + ": " + signed(v) + share(v)),
+            mouseleave: () => tip.hide(),
+          },
+        }));
+      }
+      rows.push(row);
+    }
+    const from = state.selected === null ? "summed over the source tokens" : "from " + tokenName(state.selected);
+    const others = layout.names.map((name, k) => k).filter((k) => layout.layer[k] < 0);
+    box.append(el("h2", {}, "Each head's direct path into the target, " + from),
+      el("table", { class: "cwv-grid" }, el("thead", {}, head), el("tbody", {}, rows)),
+      divergingLegend(max, "(of the target)"),
+      ...others.map((k) => el("div", { class: "cwv-note" },
+        layout.names[k] + " (direct path): " + signed(values[k]) + share(values[k]))));
+    if (passed.size) box.append(el("p", { class: "cwv-note" }, "Outlined: the components the routes pass."));
+  }
+
+  function flows() {
+    const box = parts.flows;
+    if (!box) return;
+    box.textContent = "";
+    const s = seq();
+    const totals = s.layer_totals;
+    if (state.layer === null) {
+      state.layer = totals.reduce((best, v, l) => (Math.abs(v) > Math.abs(totals[best]) ? l : best), 0);
+    }
+    const l = state.layer;
+    const vmax = maxAbs(s.edges.map((layer) => layer.map((e) => e.value)));
+    const tmax = maxAbs(totals);
+    const barW = Math.max(8, Math.min(30, 1000 / totals.length));
+    const strip = svg("svg", { width: String(barW * totals.length + 60), height: "64",
+      role: "img", "aria-label": "net edge share per layer" });
+    strip.appendChild(svg("line", { x1: "0", x2: String(barW * totals.length), y1: "28", y2: "28", stroke: "#999" }));
+    totals.forEach((v, k) => {
+      const h = 24 * strength(v, tmax);
+      const bar = svg("rect", { class: "lbar", x: String(k * barW + 1), width: String(barW - 2),
+        y: String(v >= 0 ? 28 - h : 28), height: String(Math.max(h, 0.5)),
+        fill: diverging(v, tmax), stroke: k === l ? "#111" : "none", "stroke-width": "1.5" });
+      bar.addEventListener("click", () => { state.layer = k; flows(); });
+      bar.addEventListener("mousemove", (ev) => tip.show(ev, "layer " + k + ": all its edges carry "
+        + signed(v) + share(v)));
+      bar.addEventListener("mouseleave", () => tip.hide());
+      strip.appendChild(bar);
+      if (totals.length <= 16 || k % 2 === 0 || k === l) {
+        strip.appendChild(svg("text", { x: String(k * barW + barW / 2), y: "62", "text-anchor": "middle",
+          "font-weight": k === l ? "700" : "400" }, String(k)));
+      }
+    });
+    const move = (d) => { state.layer = Math.max(0, Math.min(totals.length - 1, l + d)); flows(); };
+    const edges = s.edges[l].map((e) => {
+      const heads = e.heads.map((v, h) => [h, v]).filter((p) => p[1] !== 0)
+        .sort((a, b) => Math.abs(b[1]) - Math.abs(a[1])).slice(0, 4)
+        .map((p) => "H" + p[0] + " " + signed(p[1])).join(", ");
+      return { key: e.key, query: e.query, value: e.value, text: "layer " + l + ": "
+        + tokenName(e.key) + " \u2192 " + tokenName(e.query) + "\n" + signed(e.value) + share(e.value)
+        + "\nheads: " + heads };
+    });
+    box.append(el("h2", {}, "Edge flows: the " + data.top_edges + " strongest edges of each layer"),
+      el("p", { class: "cwv-note" }, "Bars: what all the edges of a layer carry (click one). Arcs: key (sender) \u2192 query (receiver, dot), width by |share of the target| on one scale for every layer, blue raises the target and red lowers it."),
+      strip,
+      el("div", { class: "cwv-layers" },
+        el("button", { on: { click: () => move(-1) } }, "\u25c0"),
+        el("b", {}, "Layer " + l),
+        el("button", { on: { click: () => move(1) } }, "\u25b6"),
+        el("span", { class: "cwv-sub" }, "all edges " + signed(totals[l]) + share(totals[l]))),
+      arcDiagram(s.tokens, edges, { width: body.clientWidth || 1100, vmax, tip,
+        marked: s.position, focus: state.selected, label: "strongest edges of layer " + l }));
+  }
+
+  function select(i) {
+    state.selected = i;
+    parts.chips.forEach((chip, k) => chip.classList.toggle("sel", k === i));
+    details();
+    grid();
+    flows();
+  }
+
+  function draw() {
+    body.textContent = "";
+    parts.details = el("div", { class: "cwv-details" });
+    const s = seq();
+    parts.grid = s.components ? el("div", {}) : null;
+    parts.flows = s.edges ? el("div", {}) : null;
+    body.append(header(), tokens());
+    body.append(el("div", { class: "cwv-cols" },
+      el("div", { class: "cwv-col" }, el("h2", {}, "Selected token"), parts.details),
+      el("div", { class: "cwv-col fixed" }, parts.grid
+        || el("p", { class: "cwv-note" }, data.notes.components))));
+    body.append(parts.flows || el("p", { class: "cwv-note" }, data.notes.edges));
+    select(null);
+  }
+
+  draw();
+}

@@ -1,0 +1,93 @@
+"""The view of a `ConnectionWalk`: one layer's walk, gates and edge contributions (`walk_data`).
+
+The page shows the walk ``W`` as a heatmap (query rows, key columns), the selected edge's
+gates and per-head patterns, the incoming edges of the selected query as arcs, the gates
+``g^h`` of every head as small heatmaps, and the edge contributions when given.
+"""
+
+from typing import Any
+
+from torch import Tensor
+
+from tl_connwalk.errors import ConnWalkError
+from tl_connwalk.views.labels import StrTokens, token_labels
+from tl_connwalk.views.numbers import as_lists
+from tl_connwalk.views.page import View
+from tl_connwalk.walk import ConnectionWalk
+
+
+def walk_view(
+    walk: ConnectionWalk,
+    *,
+    str_tokens: StrTokens | None = None,
+    edge_contributions: Tensor | None = None,
+    head_contributions: Tensor | None = None,
+) -> View:
+    """The `View` of ``walk`` (`walk_data` gathers its numbers).
+
+    >>> walk_view(walk).html().startswith("<!DOCTYPE html>")
+    True
+    """
+    data = walk_data(
+        walk,
+        str_tokens=str_tokens,
+        edge_contributions=edge_contributions,
+        head_contributions=head_contributions,
+    )
+    layer = "" if walk.layer is None else f", layer {walk.layer}"
+    return View("walk", f"Connection walk{layer}", data)
+
+
+def walk_data(
+    walk: ConnectionWalk,
+    *,
+    str_tokens: StrTokens | None = None,
+    edge_contributions: Tensor | None = None,
+    head_contributions: Tensor | None = None,
+) -> dict[str, Any]:
+    """What the page embeds, per sequence ``b`` (``data["sequences"][b]``):
+
+    ``tokens`` (labels: ``str_tokens``, one list for every sequence or one per sequence, else
+    ``pos i``), ``real`` (False on padding, `ConnectionWalk.attention_mask`), ``walk``
+    ``[query][key]`` (``W``), ``gates`` ``[head][query][key]`` (``g^h``), and when given
+    ``edge`` ``[query][key]`` (a contribution per edge, e.g. ``||W_ij x_j T_ij||``) and
+    ``head`` ``[head][query][key]`` (per head and edge, e.g. ``||A^h_ij f^h(x_j)||``), else
+    ``None`` (shapes checked here, with a ConnWalkError naming them). The page holds
+    ``O(batch H n^2)`` numbers, each with `tl_connwalk.views.numbers.DIGITS` significant
+    digits.
+
+    >>> walk_data(walk)["sequences"][0]["gates"][0][0][0] == round(walk.gates[0, 0, 0, 0].item(), 6)
+    True
+    """
+    batch, n_heads, n_pos, _ = walk.gates.shape
+    labels = token_labels(None, batch, n_pos, str_tokens=str_tokens)
+    edge = _checked(edge_contributions, "edge_contributions", (batch, n_pos, n_pos))
+    head = _checked(head_contributions, "head_contributions", (batch, n_heads, n_pos, n_pos))
+    mask = walk.attention_mask
+    sequences = [
+        {
+            "tokens": labels[b],
+            "real": [True] * n_pos if mask is None else mask[b].tolist(),
+            "walk": as_lists(walk.walk[b]),
+            "gates": as_lists(walk.gates[b]),
+            "edge": None if edge is None else as_lists(edge[b]),
+            "head": None if head is None else as_lists(head[b]),
+        }
+        for b in range(batch)
+    ]
+    return {
+        "kind": "walk",
+        "layer": walk.layer,
+        "n_heads": n_heads,
+        "value_heads": None if walk.kv_heads is None else list(walk.kv_heads),
+        "sequences": sequences,
+    }
+
+
+def _checked(values: Tensor | None, name: str, shape: tuple[int, ...]) -> Tensor | None:
+    if values is None or tuple(values.shape) == shape:
+        return values
+    raise ConnWalkError(
+        f"{name} has shape {tuple(values.shape)}; this walk needs {shape} "
+        f"({'[batch, query, key]' if len(shape) == 3 else '[batch, head, query, key]'})."
+    )
