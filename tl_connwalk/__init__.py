@@ -6,6 +6,21 @@
 >>> walk = cache.connection_walk(0)
 >>> output = cache["blocks.0.attn.o.hook_out"]  # HookedTransformer: "blocks.0.hook_attn_out"
 >>> torch.testing.assert_close(walk.apply() + walk.bias(), output)
+
+The package is layered; a module imports only from its own layer and those below it, with no
+import cycle (type-only imports included; ``tests/test_layering.py`` checks both):
+
+1. ``errors``: `ConnWalkError`.
+2. ``core``: the mathematics, tensors in and tensors out, no model class. Its public modules
+   read as the formulas of the spec; the fast paths they call (chunked edges, quartic forms,
+   Gram tensors, random draws, the caches) live in the private ``core._fast``.
+3. ``walk``, ``residual``: the objects a user holds for one layer (`ConnectionWalk`,
+   `LaplacianResidual`), built from tensors.
+4. ``adapters``, ``hooks``, ``bridge_hooks``: reading walks out of TransformerLens models.
+5. ``cache``, ``analysis``, ``plugin``, ``ablations``, ``attribution``, ``distributed``: what
+   works on a model or its activation cache.
+6. ``report``, ``cli``, ``zoo``, ``corpus``, ``toy`` and this package's namespace: the
+   applications on top.
 """
 
 import importlib

@@ -76,6 +76,11 @@ class ConnectionWalk:
     processing: Mapping[str, bool] = dataclasses.field(default_factory=dict)
     kv_heads: KVHeads | None = None
     attention_mask: Bool[Tensor, "batch pos"] | None = None
+    #: what the measurements of this walk share between calls (`residual.Memo`); a new walk
+    #: (``dataclasses.replace``, `of_heads`, `with_padding`) starts with an empty one
+    _memo: residual.Memo = dataclasses.field(
+        default_factory=residual.Memo, init=False, repr=False, compare=False
+    )
 
     @classmethod
     def from_pattern(
@@ -289,7 +294,7 @@ class ConnectionWalk:
         >>> walk.laplacian_residual(exclude_sink=True).transport_defect.shape  # [batch]
         torch.Size([2])
         """
-        return residual.laplacian_residual(self, **options)
+        return residual.laplacian_residual(self, memo=self._memo, **options)
 
     def isometry_defects(
         self,
@@ -303,7 +308,7 @@ class ConnectionWalk:
         0 where ``W_ij = 0``, on padding and off ``edges``. See
         `tl_connwalk.residual.isometry_defects`.
         """
-        return residual.isometry_defects(self, kind, edges=edges, heads=heads)
+        return residual.isometry_defects(self, kind, edges=edges, heads=heads, memo=self._memo)
 
     def __repr__(self) -> str:
         batch, n_heads, n_pos, _ = self.gates.shape
