@@ -34,6 +34,8 @@ from tl_connwalk.cache import connection_walk as connection_walk
 from tl_connwalk.cache import laplacian_residual as laplacian_residual
 from tl_connwalk.cache import required_hooks as required_hooks
 from tl_connwalk.cache import walk_matrix as walk_matrix
+from tl_connwalk.core.caches import caches as caches
+from tl_connwalk.core.caches import clear_caches as clear_caches
 from tl_connwalk.core.generator import ConnectionGenerator as ConnectionGenerator
 from tl_connwalk.core.walk import EffectiveTransport as EffectiveTransport
 from tl_connwalk.corpus import analyze as analyze
@@ -72,6 +74,8 @@ __all__ = [
     "analyze",
     "attach",
     "attribute",
+    "caches",
+    "clear_caches",
     "connection_walk",
     "detach",
     "geometry_table",

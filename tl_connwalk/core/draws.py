@@ -34,7 +34,6 @@ the same alone or in a batch).
 """
 
 import dataclasses
-import functools
 import hashlib
 from collections.abc import Iterator
 
@@ -44,6 +43,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from tl_connwalk.core import field_defect, head_grams, isometry, quartic, value_heads
+from tl_connwalk.core._fast.lru import memoized
 from tl_connwalk.core.value_heads import KVHeads
 from tl_connwalk.errors import ConnWalkError
 
@@ -87,7 +87,7 @@ class RawDraws:
             )
 
 
-@functools.lru_cache(maxsize=2)
+@memoized("core.draws.raw_draws", maxsize=2)
 def raw_draws(
     v_shape: torch.Size,
     o_shape: torch.Size,
@@ -218,7 +218,7 @@ def _expanded(values: Tensor, kv_heads: KVHeads | None, d_head: int) -> Tensor:
     return rearrange(blocks[:, index], "rows head d_head -> rows (head d_head)")
 
 
-@functools.lru_cache(maxsize=2)
+@memoized("core.draws.key_draws", maxsize=2)
 def key_draws(
     v_shape: torch.Size,
     o_shape: torch.Size,
