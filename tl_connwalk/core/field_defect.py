@@ -24,16 +24,10 @@ from einops import einsum, rearrange, reduce
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from tl_connwalk.core.isometry import (
-    _check_chunk,
-    _edge_chunks,
-    _edge_weights,
-    _query_chunks,
-    check_flag,
-    check_walk_nonnegative,
-    working_dtype,
-)
+from tl_connwalk.core._fast.chunks import edge_chunks, query_chunks
+from tl_connwalk.core.checks import check_chunk, check_flag, check_walk_nonnegative, working_dtype
 from tl_connwalk.core.moments import Moments
+from tl_connwalk.core.weighted import edge_weights
 from tl_connwalk.errors import ConnWalkError
 
 
@@ -207,7 +201,7 @@ def _value_grams(
         if W_O is None:
             raise ConnWalkError("message Grams need W_O or out_rows (one of them).")
         # a quarter of the chunk budget: larger blocks only raise the peak (8B: 64 MiB more)
-        for block in _query_chunks(n_rows, 4 * n_heads * W_O.shape[-1]):
+        for block in query_chunks(n_rows, 4 * n_heads * W_O.shape[-1]):
             v = values_of(block).view(-1, n_heads, d_head)
             messages = v.new_empty(v.shape[0], n_heads, W_O.shape[-1])
             for h in range(n_heads):
@@ -216,7 +210,7 @@ def _value_grams(
         return grams
     gram_rows = _gram_rows(out_rows.to(rows_like), n_heads, d_head)
     # per row: its values, and one head's pair forms (at most H d_head) at a time
-    for block in _query_chunks(n_rows, 4 * 2 * n_heads * d_head):
+    for block in query_chunks(n_rows, 4 * 2 * n_heads * d_head):
         v = values_of(block).view(-1, n_heads, d_head)
         for a, rows in enumerate(gram_rows):
             pair = (v[:, a] @ rows).view(-1, n_heads - a, d_head)
@@ -262,7 +256,7 @@ def _chunk_norms_sq(
     (``||x_j T_ij||^2 = H^2 g_ij^T G_j g_ij``; with `_ratio_grams`, ``rho_ij^2``).
 
     ``grams`` ``[family, batch, key, head, head]``. Yields ``(rows, keys, norm_sq)`` with
-    ``norm_sq`` ``[family, batch, rows, keys]`` over the chunk's keys (`_edge_chunks`: with
+    ``norm_sq`` ``[family, batch, rows, keys]`` over the chunk's keys (`edge_chunks`: with
     ``walk``, the keys up to the chunk's last edge). Key-major: each key's gates of the chunk
     ``[head, rows]`` meet every family's ``G_j`` in one batched product, so the gates are read
     once for all families (a head-contracting einsum over ``[batch, head, query, key]`` is
@@ -272,7 +266,7 @@ def _chunk_norms_sq(
     n_query = gates.shape[2]
     stacked = rearrange(grams, "family batch key a c -> batch key (family a) c")
     per_query = batch * n_key * n_heads * (2 + families)
-    for rows, keys in _edge_chunks(n_query, n_key, per_query, query_chunk, walk):
+    for rows, keys in edge_chunks(n_query, n_key, per_query, query_chunk, walk):
         if keys == 0:  # no edge in these rows
             continue
         g = rearrange(gates[:, :, rows, :keys], "batch h query key -> (batch key) h query")
@@ -313,7 +307,7 @@ def message_norm_ratios(
     """
     field, W_V, W_O, gates = _cast(field, W_V, W_O, gates)
     _check_gates(gates, W_V.shape[0], field.shape[1])
-    _check_chunk(query_chunk)
+    check_chunk(query_chunk)
     grams = message_grams(field, W_V, W_O) if grams is None else grams.to(gates)
     batch, _, n_query, n_key = gates.shape
     rho = gates.new_zeros(batch, n_query, n_key)
@@ -421,12 +415,12 @@ def field_isometry_defects(
             f"field's {tuple(field.shape[:2])} [batch, key]."
         )
     _check_gates(gates, grams.shape[-1], field.shape[1])
-    _check_chunk(query_chunk)
+    check_chunk(query_chunk)
     check_flag(exclude_sink, "exclude_sink")
     kept = _sent(field, walk.shape)
     if edges is not None:
         kept = edges if kept is None else kept & edges.to(kept.device)
-    weights, _ = _edge_weights(walk, exclude_sink, kept)
+    weights, _ = edge_weights(walk, exclude_sink, kept)
     # the moments run in float64 (chunk by chunk: no float64 copy of the walk)
     weights = weights.to(gates.device)
     empty = gates.new_zeros(grams.shape[:2], dtype=torch.float64)
@@ -479,7 +473,7 @@ def head_field_isometry_defects(
             "[batch, head, query, key] and walk [batch, query, key]."
         )
     check_flag(exclude_sink, "exclude_sink")
-    _check_chunk(query_chunk)
+    check_chunk(query_chunk)
     rho = head_message_norm_ratios(field, W_V, W_O, grams=grams)  # [batch, key, head]
     walk_w, gates_w = walk.to(rho), gates.to(rho)
     check_walk_nonnegative(walk_w)
@@ -494,7 +488,7 @@ def head_field_isometry_defects(
     keys_w = keys.to(rho)
     batch, _, n_query, n_key = gates.shape
     column = torch.zeros(batch, n_heads, n_key, dtype=rho.dtype, device=rho.device)
-    for rows in _query_chunks(n_query, 2 * batch * n_heads * n_key, query_chunk):
+    for rows in query_chunks(n_query, 2 * batch * n_heads * n_key, query_chunk):
         pattern = n_heads * walk_w[:, None, rows] * gates_w[:, :, rows]  # A^h on these rows
         if edges is not None:
             pattern = pattern * edges[:, None, rows].to(pattern)

@@ -30,7 +30,7 @@ import xxhash
 from jaxtyping import Float
 from torch import Tensor
 
-from tl_connwalk.core import field_defect, isometry
+from tl_connwalk.core import checks, field_defect, isometry
 from tl_connwalk.core._fast.lru import CacheInfo, Store, tensor_bytes
 
 #: Most bytes the store keeps (least recently used entries leave first). A GPT-2-small layer
@@ -128,7 +128,7 @@ def head_grams(
     >>> head_grams(W_V, W_O) is head_grams(W_V.clone(), W_O.clone())
     True
     """
-    W_V, W_O = isometry._cast_heads(W_V, W_O)
+    W_V, W_O = checks.cast_heads(W_V, W_O)
     key = weights_digest(W_V, W_O)
     found = _STORE.get(key)
     if found is None:
