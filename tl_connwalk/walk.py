@@ -346,7 +346,6 @@ def _expanded_values(
     kv = value_heads.check_kv_heads(kv_heads, n_heads)
     if kv is None:
         return W_V, b_V, None
-    index = torch.tensor(kv, device=W_V.device)
     if n_value == n_heads:  # expanded already: the shared heads must be equal
         first = {head: kv.index(head) for head in set(kv)}
         source = torch.tensor([first[head] for head in kv], device=W_V.device)
@@ -366,8 +365,8 @@ def _expanded_values(
             f"{tuple(W_V.shape)} holds {n_value}."
         )
     if b_V is not None and b_V.ndim == 2 and b_V.shape[0] == n_value:
-        b_V = b_V[index.to(b_V.device)]
-    return W_V[index], b_V, kv
+        b_V = value_heads.expand_value_heads(b_V, kv)
+    return value_heads.expand_value_heads(W_V, kv), b_V, kv
 
 
 def _check_shapes(pattern: Tensor, field: Tensor, W_V: Tensor, W_O: Tensor) -> None:

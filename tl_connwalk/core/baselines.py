@@ -84,7 +84,7 @@ def gaussian_factors(
         drawn = torch.randn(
             (n_value, *v_shape[1:]), dtype=dtype, device=device, generator=generator
         )
-        rand_V = drawn[torch.tensor(kv_heads, device=device)]
+        rand_V = value_heads.expand_value_heads(drawn, kv_heads)
     return rand_V, torch.randn(o_shape, dtype=dtype, device=device, generator=generator)
 
 

@@ -43,7 +43,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from tl_connwalk.core import checks, field_defect, head_grams, isometry, quartic, value_heads
-from tl_connwalk.core._fast import chunks
+from tl_connwalk.core._fast import chunks, messages
 from tl_connwalk.core._fast.lru import memoized
 from tl_connwalk.core.value_heads import KVHeads
 from tl_connwalk.errors import ConnWalkError
@@ -212,11 +212,9 @@ class KeyDraws:
 def _expanded(values: Tensor, kv_heads: KVHeads | None, d_head: int) -> Tensor:
     """``[rows, H_kv d_head]`` value columns as ``[rows, H d_head]``: query head ``h`` gets
     value head ``kv(h)``'s block (unchanged without ``kv_heads``)."""
-    if kv_heads is None:
-        return values
     blocks = rearrange(values, "rows (kv d_head) -> rows kv d_head", d_head=d_head)
-    index = torch.tensor(kv_heads, device=values.device)
-    return rearrange(blocks[:, index], "rows head d_head -> rows (head d_head)")
+    expanded = value_heads.expand_value_heads(blocks, kv_heads, dim=1)
+    return rearrange(expanded, "rows head d_head -> rows (head d_head)")
 
 
 @memoized("core.draws.key_draws", maxsize=2)
@@ -246,7 +244,6 @@ def key_draws(
     raw = raw_draws(v_shape, o_shape, dtype, device, seed, n_draws, *_sharing(kv_heads))
     width = n_heads * d_head
     n_value = value_heads.n_value_heads(kv_heads, n_heads)
-    index = torch.tensor(range(n_heads) if kv_heads is None else kv_heads, device=device)
     values_seed = _key_seed(seed, n_keys, "values")
     values = torch.Generator(device=device).manual_seed(values_seed)
     perp = torch.Generator(device=device).manual_seed(_key_seed(seed, n_keys, "perp"))
@@ -261,7 +258,13 @@ def key_draws(
                 dtype=dtype, device=device, generator=perp,
             )  # fmt: skip
             gram += einsum(block, block, "n k p, n k q -> k p q")
-        norms.append(einsum(gram[index], _output_blocks(raw_draw, R_O), "h p q, h p q -> h"))
+        norms.append(
+            einsum(
+                value_heads.expand_value_heads(gram, kv_heads),
+                _output_blocks(raw_draw, R_O),
+                "h p q, h p q -> h",
+            )
+        )
         if keep:
             kept.append(_expanded(Y, kv_heads, d_head))
     return KeyDraws(
@@ -275,7 +278,7 @@ def _output_blocks(raw: head_grams.HeadGrams, R_O: Tensor) -> Tensor:
     n_heads, d_head, _ = R_O.shape
     if raw.out_rows is None:
         return R_O @ R_O.mT
-    rows = field_defect._gram_rows(raw.out_rows, n_heads, d_head)
+    rows = messages.row_blocks(raw.out_rows, n_heads, d_head)
     return torch.stack([row[:, :d_head] for row in rows])
 
 

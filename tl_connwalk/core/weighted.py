@@ -2,7 +2,7 @@
 coefficient of variation, and the heaviest edges that carry a share of each row's mass."""
 
 import torch
-from einops import einsum, rearrange, reduce
+from einops import einsum, reduce
 from jaxtyping import Bool, Float
 from torch import Tensor
 
@@ -154,5 +154,4 @@ def walk_weighted_cv(
     """
     weights, _ = edge_weights(walk, check_flag(exclude_sink, "exclude_sink"), edges)
     values = on_edges(weights, values)
-    edge_axis = "batch query key -> batch (query key)"
-    return Moments.of_weighted(rearrange(values, edge_axis), rearrange(weights, edge_axis)).cv
+    return Moments.of_edges(values, weights).cv
