@@ -12,8 +12,9 @@ import cycle (type-only imports included; ``tests/test_layering.py`` checks both
 
 1. ``errors``: `ConnWalkError`.
 2. ``core``: the mathematics, tensors in and tensors out, no model class. Its public modules
-   read as the formulas of the spec; the fast paths they call (chunked edges, quartic forms,
-   Gram tensors, random draws, the caches) live in the private ``core._fast``.
+   read as the formulas of the spec; the fast paths they call (chunk sizes, Gram tensors,
+   per-edge closed forms, message Grams, the caches' stores) live in the private
+   ``core._fast``, which nothing outside ``core`` imports.
 3. ``walk``, ``residual``: the objects a user holds for one layer (`ConnectionWalk`,
    `LaplacianResidual`), built from tensors.
 4. ``adapters``, ``hooks``, ``bridge_hooks``: reading walks out of TransformerLens models.

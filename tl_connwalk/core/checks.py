@@ -13,8 +13,22 @@ def working_dtype(*tensors: Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+def is_count(value: object, least: int = 1) -> bool:
+    """Whether ``value`` is an integer ``>= least`` (``True`` and ``False`` are no counts)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def check_optional_count(value: object, name: str, none_means: str, unit: str) -> None:
+    """A ConnWalkError unless ``value`` is None (which means ``none_means``) or a positive
+    integer (a number of ``unit``)."""
+    if value is not None and not is_count(value):
+        raise ConnWalkError(
+            f"{name} must be None ({none_means}) or a positive {unit}, got {value!r}."
+        )
+
+
 def check_rank(rank: int, available: int | None = None, what: str = "") -> None:
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+    if not is_count(rank):
         raise ConnWalkError(f"rank must be a positive integer, got {rank!r}.")
     if available is not None and rank > available:
         raise ConnWalkError(
@@ -51,13 +65,10 @@ def check_gates(gates: Tensor, n_heads: int) -> None:
 
 
 def check_chunk(query_chunk: int | None) -> None:
-    if query_chunk is None:
-        return
-    if isinstance(query_chunk, bool) or not isinstance(query_chunk, int) or query_chunk < 1:
-        raise ConnWalkError(
-            f"query_chunk must be None (automatic, CHUNK_ENTRIES numbers per chunk) or a "
-            f"positive number of query rows, got {query_chunk!r}."
-        )
+    check_optional_count(
+        query_chunk, "query_chunk", "automatic, CHUNK_ENTRIES numbers per chunk",
+        "number of query rows",
+    )  # fmt: skip
 
 
 def cast_gates(gates: Tensor, *grams: Tensor) -> tuple[Tensor, ...]:
@@ -157,7 +168,7 @@ def check_flag(value: object, name: str) -> bool:
 
 def check_draws(n_draws: object) -> None:
     """A ConnWalkError unless ``n_draws`` is an integer ``>= 2`` (a spread needs two draws)."""
-    if isinstance(n_draws, bool) or not isinstance(n_draws, int) or n_draws < 2:
+    if not is_count(n_draws, least=2):
         raise ConnWalkError(f"n_draws must be an integer >= 2 (for a spread), got {n_draws!r}.")
 
 

@@ -24,7 +24,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from tl_connwalk.core._fast import chunks
-from tl_connwalk.core.checks import check_heads, working_dtype
+from tl_connwalk.core.checks import check_heads, check_optional_count, working_dtype
 from tl_connwalk.core.markov import _check_walk
 from tl_connwalk.errors import ConnWalkError
 
@@ -170,7 +170,7 @@ def nearest_connection_operator_distance(
         raise ConnWalkError("gates have NaN or inf entries; use walk.gates() (uniform on 0/0).")
     mu64 = _check_mu(mu, walk64)
     scale64 = _check_scale(scale, walk64)
-    _check_max_edges(max_edges)
+    check_optional_count(max_edges, "max_edges", "all edges", "integer")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConnWalkError(f"seed must be an integer, got {seed!r}.")
 
@@ -254,15 +254,6 @@ def _check_scale(scale: Tensor | float, walk64: Tensor) -> Tensor:
     if not torch.isfinite(scale64).all() or (scale64 < 0).any():
         raise ConnWalkError("scale must be finite and >= 0 (a common scale s of s O, spec §2).")
     return scale64
-
-
-def _check_max_edges(max_edges: int | None) -> None:
-    if max_edges is None:
-        return
-    if isinstance(max_edges, bool) or not isinstance(max_edges, int) or max_edges < 1:
-        raise ConnWalkError(
-            f"max_edges must be None (all edges) or a positive integer, got {max_edges!r}."
-        )
 
 
 def _reversibilised(walk64: Tensor, mu64: Tensor) -> Tensor:
