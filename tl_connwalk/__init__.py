@@ -6,6 +6,22 @@
 >>> walk = cache.connection_walk(0)
 >>> output = cache["blocks.0.attn.o.hook_out"]  # HookedTransformer: "blocks.0.hook_attn_out"
 >>> torch.testing.assert_close(walk.apply() + walk.bias(), output)
+
+The package is layered; a module imports only from its own layer and those below it, with no
+import cycle (type-only imports included; ``tests/test_layering.py`` checks both):
+
+1. ``errors``: `ConnWalkError`.
+2. ``core``: the mathematics, tensors in and tensors out, no model class. Its public modules
+   read as the formulas of the spec; the fast paths they call (chunk sizes, Gram tensors,
+   per-edge closed forms, message Grams, the caches' stores) live in the private
+   ``core._fast``, which nothing outside ``core`` imports.
+3. ``walk``, ``residual``: the objects a user holds for one layer (`ConnectionWalk`,
+   `LaplacianResidual`), built from tensors.
+4. ``adapters``, ``hooks``, ``bridge_hooks``: reading walks out of TransformerLens models.
+5. ``cache``, ``analysis``, ``plugin``, ``ablations``, ``attribution``, ``distributed``: what
+   works on a model or its activation cache.
+6. ``report``, ``cli``, ``zoo``, ``corpus``, ``toy`` and this package's namespace: the
+   applications on top.
 """
 
 import importlib
@@ -19,6 +35,8 @@ from tl_connwalk.cache import connection_walk as connection_walk
 from tl_connwalk.cache import laplacian_residual as laplacian_residual
 from tl_connwalk.cache import required_hooks as required_hooks
 from tl_connwalk.cache import walk_matrix as walk_matrix
+from tl_connwalk.core.caches import caches as caches
+from tl_connwalk.core.caches import clear_caches as clear_caches
 from tl_connwalk.core.generator import ConnectionGenerator as ConnectionGenerator
 from tl_connwalk.core.walk import EffectiveTransport as EffectiveTransport
 from tl_connwalk.corpus import analyze as analyze
@@ -57,6 +75,8 @@ __all__ = [
     "analyze",
     "attach",
     "attribute",
+    "caches",
+    "clear_caches",
     "connection_walk",
     "detach",
     "geometry_table",

@@ -53,6 +53,7 @@ try:
 except ImportError:  # TransformerLens 2.x keeps it in hook_points only
     from transformer_lens.hook_points import HookedRootModule  # type: ignore[no-redef]
 
+from tl_connwalk.core.value_heads import expand_value_heads, grouped_value_heads
 from tl_connwalk.core.walk import patterns_from_walk, walk_and_gates
 from tl_connwalk.errors import ConnWalkError
 
@@ -210,9 +211,9 @@ def _messages(
 ) -> Float[Tensor, "batch key head d_model"]:
     """``m^h_j = v^h_j W_O^h`` from the final value ``v = x W_V + b_V`` (the second half of
     `tl_connwalk.core.walk.head_messages`, which starts from the field ``x``)."""
-    repeats = W_O.shape[0] // value.shape[2]
-    if repeats > 1:  # grouped-query: head h reads value head h // repeats
-        value = torch.repeat_interleave(value, repeats, dim=2)
+    n_heads, n_value = W_O.shape[0], value.shape[2]
+    if n_value != n_heads:  # grouped-query: head h reads value head h // (H / H_kv)
+        value = expand_value_heads(value, grouped_value_heads(n_heads, n_value), dim=2)
     return einsum(
         value.to(W_O.dtype),
         W_O,

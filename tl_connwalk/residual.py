@@ -9,7 +9,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 from jaxtyping import Bool, Float
@@ -21,10 +21,61 @@ from tl_connwalk.core.isometry import RandomBaseline
 from tl_connwalk.core.laplacian import NearestOperatorDistance
 from tl_connwalk.errors import ConnWalkError
 
-if TYPE_CHECKING:
-    from tl_connwalk.walk import ConnectionWalk
-
 DefectKind = Literal["gram", "frobenius"]
+
+
+@runtime_checkable
+class MeasuredWalk(Protocol):
+    """What the measurements read of a walk: `tl_connwalk.walk.ConnectionWalk` is one.
+
+    The tensors and shapes are those of `ConnectionWalk`'s attributes (spec §1.2).
+    """
+
+    @property
+    def walk(self) -> Float[Tensor, "batch query key"]: ...
+    @property
+    def gates(self) -> Float[Tensor, "batch head query key"]: ...
+    @property
+    def field(self) -> Float[Tensor, "batch key d_model"]: ...
+    @property
+    def W_V(self) -> Float[Tensor, "head d_model d_head"]: ...
+    @property
+    def W_O(self) -> Float[Tensor, "head d_head d_model"]: ...
+    @property
+    def kv_heads(self) -> tuple[int, ...] | None: ...
+    @property
+    def attention_mask(self) -> Bool[Tensor, "batch pos"] | None: ...
+    @property
+    def layer(self) -> int | None: ...
+    @property
+    def processing(self) -> Mapping[str, bool]: ...
+    @property
+    def n_heads(self) -> int: ...
+    def of_heads(self, heads: Sequence[int]) -> "MeasuredWalk": ...
+
+
+class Memo:
+    """What the measurements of one walk share between calls, held by the walk's owner.
+
+    `tl_connwalk.walk.ConnectionWalk` keeps one per walk and passes it to
+    `laplacian_residual` and `isometry_defects`: calls with other options (``exclude_sink``,
+    ``mass_share``, ``mu``, ``exact``) then reuse the unit-scaled weights, their Gram tensors,
+    the message Grams and the random draws. An in-place edit of the walk's field or weights
+    is noticed (``Tensor._version``) and the terms are made again.
+    """
+
+    def __init__(self) -> None:
+        self._terms: _LayerTerms | None = None
+
+    def terms(self, walk: MeasuredWalk) -> "_LayerTerms":
+        """The walk's `_LayerTerms`, made on first use and again after an in-place edit."""
+        if self._terms is None or self._terms.versions != _versions(walk):
+            self._terms = _LayerTerms(walk)
+        return self._terms
+
+    def clear(self) -> None:
+        """Forget the terms (they are made again on the next call)."""
+        self._terms = None
 
 
 def _listed(value: Tensor | None) -> object:
@@ -148,7 +199,7 @@ class LaplacianResidual:
 
 
 def laplacian_residual(
-    walk: "ConnectionWalk",
+    walk: MeasuredWalk,
     *,
     mu: Float[Tensor, "batch pos"] | markov.MuOption = "stationary",
     alpha: float = 0.85,
@@ -161,11 +212,12 @@ def laplacian_residual(
     max_edges: int | None = 4096,
     mass_share: float | None = None,
     query_chunk: int | None = None,
+    memo: Memo | None = None,
 ) -> LaplacianResidual:
     """Measure every condition of spec §2 on one layer's walk (`LaplacianResidual`).
 
     Args:
-        walk: the layer's `tl_connwalk.walk.ConnectionWalk`.
+        walk: the layer's `tl_connwalk.walk.ConnectionWalk` (any `MeasuredWalk`).
         mu: the measure for reversibility: ``"stationary"`` (falls back to uniform where the
             walk is reducible, e.g. causal), ``"uniform"``, ``"teleport"`` (stationary
             distribution of ``alpha W + (1 - alpha) 11^T / n``) or a ``[batch, pos]`` tensor.
@@ -195,6 +247,8 @@ def laplacian_residual(
             ``None`` (default): every edge.
         query_chunk: query rows per chunk of the per-edge work (``None``: as many as fit
             ``isometry.CHUNK_ENTRIES`` numbers); the results do not depend on it.
+        memo: the walk's `Memo` (`ConnectionWalk` passes its own): what another call on
+            the same walk can reuse; ``None``: nothing is kept.
 
     Cost: ``O(H^3 d_head^3)`` for the layer's Gram tensors, once per set of weights (they
     are kept by content, `tl_connwalk.core.head_grams`: another cache of the same model costs
@@ -205,8 +259,8 @@ def laplacian_residual(
     for the layer and each draw (through the stored output Gram where ``H d_head <= 1024``,
     `field_defect.message_grams`). Memory stays at the size of the pattern plus the ``H^2 d_head^2``
     Grams and one chunk. What depends on the walk's field (message Grams) and the layer's
-    draws is kept with the walk, so another call on it with other options (e.g.
-    ``exclude_sink``) costs only the rest.
+    draws is kept in ``memo`` (the walk's own, through ``walk.laplacian_residual``), so
+    another call on it with other options (e.g. ``exclude_sink``) costs only the rest.
 
     >>> res = walk.laplacian_residual()
     >>> res.transport_defect.shape, res.baseline["transport_defect"].mean.shape
@@ -218,12 +272,11 @@ def laplacian_residual(
         )
     isometry.check_flag(exclude_sink, "exclude_sink")
     chosen = None if heads is None else core_walk.check_heads(heads, walk.n_heads)
-    if chosen is not None:
-        walk = walk.of_heads(chosen)
+    walk, memo = _of_heads(walk, chosen, memo)
     W, g = walk.walk, walk.gates
     positions = walk.attention_mask
     scoped, drop_sink = padding.scope(positions, edges, exclude_sink, W.shape, W.device)
-    terms = _layer_terms(walk)
+    terms = memo.terms(walk)
     X, W_V, W_O = terms.field, terms.W_V, terms.W_O
     reversibility = markov.reversibility_residual(W, mu, alpha=alpha, positions=positions)
     pairing = markov.pairing_residual(
@@ -316,17 +369,18 @@ def laplacian_residual(
 
 
 def isometry_defects(
-    walk: "ConnectionWalk",
+    walk: MeasuredWalk,
     kind: DefectKind = "gram",
     *,
     edges: padding.EdgeMask | None = None,
     heads: Sequence[int] | None = None,
+    memo: Memo | None = None,
 ) -> Float[Tensor, "batch query key"]:
     """Per-edge defect of the effective transports, 0 where ``W_ij = 0`` (spec §3).
 
     Also 0 on padding (the walk's ``attention_mask``) and off ``edges`` (an edge mask as in
     `laplacian_residual`); ``heads``: of the walk of those heads alone
-    (`ConnectionWalk.of_heads`).
+    (`ConnectionWalk.of_heads`); ``memo`` as in `laplacian_residual`.
 
     ``kind="gram"``: ``eps(T_ij)`` in closed form on every edge (``O(batch n^2 H^4)``).
     ``kind="frobenius"``: ``delta(T_ij)`` (the relative Frobenius distance to the nearest
@@ -336,9 +390,8 @@ def isometry_defects(
     """
     if kind not in ("gram", "frobenius"):
         raise ConnWalkError(f'kind must be "gram" or "frobenius", got {kind!r}.')
-    if heads is not None:
-        walk = walk.of_heads(heads)
-    terms = _layer_terms(walk)
+    walk, memo = _of_heads(walk, heads, memo)
+    terms = memo.terms(walk)
     W = walk.walk
     scoped, _ = padding.scope(walk.attention_mask, edges, False, W.shape, W.device)
     if scoped is not None:
@@ -353,9 +406,21 @@ def isometry_defects(
     return torch.where(W > 0, delta, torch.zeros_like(delta))
 
 
+def _of_heads(
+    walk: MeasuredWalk, heads: Sequence[int] | None, memo: Memo | None
+) -> tuple[MeasuredWalk, Memo]:
+    """The walk of ``heads`` alone and the memo that goes with it: the given one for the walk
+    itself, a fresh one for a walk of fewer heads (other weights)."""
+    if heads is not None:
+        subset = walk.of_heads(heads)
+        if subset is not walk:
+            return subset, Memo()
+    return walk, Memo() if memo is None else memo
+
+
 class _LayerTerms:
     """What the measurements need of a walk's weights and field alone, each computed on first
-    use and kept with the walk (`_layer_terms`): calls with other options (``exclude_sink``,
+    use and kept in the walk's `Memo`: calls with other options (``exclude_sink``,
     ``mass_share``, ``mu``, ``exact``; the report measures every layer with and without the
     sink) share them.
 
@@ -365,7 +430,7 @@ class _LayerTerms:
     per ``(n_draws, seed)``.
     """
 
-    def __init__(self, walk: "ConnectionWalk") -> None:
+    def __init__(self, walk: MeasuredWalk) -> None:
         self.versions = _versions(walk)
         (self.field, _), (self.W_V, v_factor), (self.W_O, o_factor) = map(
             _unit_scaled, (walk.field, walk.W_V, walk.W_O)
@@ -432,19 +497,10 @@ class _LayerTerms:
         return grams
 
 
-def _versions(walk: "ConnectionWalk") -> tuple[int, ...]:
+def _versions(walk: MeasuredWalk) -> tuple[int, ...]:
     """In-place edits of a walk's field or weights bump these (``Tensor._version``; -1 for an
     inference tensor, which keeps no counter and cannot be edited outside inference mode)."""
     return tuple(-1 if t.is_inference() else t._version for t in (walk.field, walk.W_V, walk.W_O))
-
-
-def _layer_terms(walk: "ConnectionWalk") -> _LayerTerms:
-    """The walk's `_LayerTerms`, made on first use and again after an in-place edit."""
-    terms = walk.__dict__.get("_layer_terms")
-    if not isinstance(terms, _LayerTerms) or terms.versions != _versions(walk):
-        terms = _LayerTerms(walk)
-        object.__setattr__(walk, "_layer_terms", terms)  # a memo on the frozen walk
-    return terms
 
 
 def _unit_scaled(tensor: Tensor) -> tuple[Tensor, float]:

@@ -77,6 +77,11 @@ class ConnectionWalk:
     processing: Mapping[str, bool] = dataclasses.field(default_factory=dict)
     kv_heads: KVHeads | None = None
     attention_mask: Bool[Tensor, "batch pos"] | None = None
+    #: what the measurements of this walk share between calls (`residual.Memo`); a new walk
+    #: (``dataclasses.replace``, `of_heads`, `with_padding`) starts with an empty one
+    _memo: residual.Memo = dataclasses.field(
+        default_factory=residual.Memo, init=False, repr=False, compare=False
+    )
 
     @classmethod
     def from_pattern(
@@ -290,7 +295,7 @@ class ConnectionWalk:
         >>> walk.laplacian_residual(exclude_sink=True).transport_defect.shape  # [batch]
         torch.Size([2])
         """
-        return residual.laplacian_residual(self, **options)
+        return residual.laplacian_residual(self, memo=self._memo, **options)
 
     def isometry_defects(
         self,
@@ -304,7 +309,7 @@ class ConnectionWalk:
         0 where ``W_ij = 0``, on padding and off ``edges``. See
         `tl_connwalk.residual.isometry_defects`.
         """
-        return residual.isometry_defects(self, kind, edges=edges, heads=heads)
+        return residual.isometry_defects(self, kind, edges=edges, heads=heads, memo=self._memo)
 
     def show(
         self,
@@ -391,7 +396,6 @@ def _expanded_values(
     kv = value_heads.check_kv_heads(kv_heads, n_heads)
     if kv is None:
         return W_V, b_V, None
-    index = torch.tensor(kv, device=W_V.device)
     if n_value == n_heads:  # expanded already: the shared heads must be equal
         first = {head: kv.index(head) for head in set(kv)}
         source = torch.tensor([first[head] for head in kv], device=W_V.device)
@@ -411,8 +415,8 @@ def _expanded_values(
             f"{tuple(W_V.shape)} holds {n_value}."
         )
     if b_V is not None and b_V.ndim == 2 and b_V.shape[0] == n_value:
-        b_V = b_V[index.to(b_V.device)]
-    return W_V[index], b_V, kv
+        b_V = value_heads.expand_value_heads(b_V, kv)
+    return value_heads.expand_value_heads(W_V, kv), b_V, kv
 
 
 def _check_shapes(pattern: Tensor, field: Tensor, W_V: Tensor, W_O: Tensor) -> None:

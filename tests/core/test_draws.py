@@ -19,6 +19,7 @@ from tests.core.problems import random_problem
 from tests.tolerances import assert_close, atol, cancelling_atol
 from tl_connwalk.core import draws, field_defect, head_grams
 from tl_connwalk.core import isometry as iso
+from tl_connwalk.core._fast import chunks
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.walk import ConnectionWalk
 
@@ -51,7 +52,7 @@ def test_shared_draws_equal_fresh_draws_per_measurement(
     dtype, exclude_sink, keep_factors, monkeypatch
 ):
     if not keep_factors:  # too large to keep: the factors are drawn again from the seed
-        monkeypatch.setattr(iso, "CHUNK_ENTRIES", 64)
+        monkeypatch.setattr(chunks, "CHUNK_ENTRIES", 64)
     draws.raw_draws.cache_clear()
     p = random_problem(heads=3, pos=6, d_model=10, d_head=3, seed=4, causal=True, dtype=dtype)
     res = residual_of(p, baseline_draws=3, seed=11, exclude_sink=exclude_sink)
@@ -270,7 +271,7 @@ def implied_value_factors(p, n_draws, seed, sequence):
         Y_perp = torch.cat([
             torch.randn(len(range(d_model - n_keys)[rows]), n_heads * d_head,
                         dtype=p.W_V.dtype, device=device, generator=perp)
-            for rows in iso._query_chunks(d_model - n_keys, n_heads * d_head)
+            for rows in chunks.query_chunks(d_model - n_keys, n_heads * d_head)
         ])  # fmt: skip
         Z = Q @ Y + Q_perp @ Y_perp
         assert_close(keys @ Z, L @ Y, terms=d_model)  # X Z = L Y
@@ -299,7 +300,7 @@ def test_field_draws_through_the_keys_factor_equal_explicit_gaussian_value_facto
     """The route's field baseline == the slow measurement of the Gaussian ``Z`` it stands
     for; with small chunks ``Y`` is not kept (drawn again) and ``Y_perp`` comes in blocks."""
     if small_chunks:
-        monkeypatch.setattr(iso, "CHUNK_ENTRIES", 40)
+        monkeypatch.setattr(chunks, "CHUNK_ENTRIES", 40)
     draws.raw_draws.cache_clear()
     draws.key_draws.cache_clear()
     p = random_problem(seed=4, **KEYED)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from tests.core.test_isometry import dense_transports, orthogonal, random_problem
 from tests.tolerances import assert_close, atol
 from tl_connwalk.core import field_defect as fd
+from tl_connwalk.core._fast import messages as fast_messages
 from tl_connwalk.core.walk import gates as split_gates
 from tl_connwalk.core.walk import walk_matrix
 from tl_connwalk.errors import ConnWalkError
@@ -61,7 +62,7 @@ def test_message_grams_through_the_output_gram_equal_the_messages(
     expected = torch.einsum("bjaf,bjcf->bjac", messages, messages)
     out_rows = fd.output_gram_rows(torch.einsum("apd,bqd->abpq", W_O, W_O))
     assert_close(fd.message_grams(field, W_V, W_O, out_rows=out_rows), expected)
-    monkeypatch.setattr(fd, "_query_chunks", lambda n, per, chunk=None: _slices(n, 3))
+    monkeypatch.setattr(fast_messages, "query_chunks", lambda n, per, chunk=None: _slices(n, 3))
     blocked = fd.message_grams(field, W_V, W_O, out_rows=out_rows)
     assert_close(blocked, expected)
     assert torch.equal(blocked, blocked.mT)  # filled from the upper triangle

@@ -18,8 +18,10 @@ from jaxtyping import TypeCheckError
 
 from tests.core import problems
 from tests.tolerances import assert_close, atol, cancelling_atol
+from tl_connwalk.core import checks, markov, quartic
 from tl_connwalk.core import isometry as iso
-from tl_connwalk.core import markov, quartic
+from tl_connwalk.core._fast import chunks
+from tl_connwalk.core._fast import edges as fast_edges
 from tl_connwalk.core.walk import gates as split_gates
 from tl_connwalk.core.walk import walk_matrix
 from tl_connwalk.errors import ConnWalkError
@@ -106,12 +108,12 @@ def test_the_overflow_check_passes_finite_values_whose_sum_overflows():
     """`_ratio_defect` sums before checking element-wise: finite inputs whose float32 sum is
     Inf still pass, and a single Inf or NaN among them still raises."""
     big = torch.full((4,), 3e38)
-    assert torch.equal(iso._ratio_defect(big / 2, big), torch.full((4,), math.sqrt(0.5)))
+    assert torch.equal(checks.ratio_defect(big / 2, big), torch.full((4,), math.sqrt(0.5)))
     for bad in (float("inf"), float("nan")):
         spread = big / 2
         spread[1] = bad
         with pytest.raises(ConnWalkError, match="overflowed"):
-            iso._ratio_defect(spread, big)
+            checks.ratio_defect(spread, big)
 
 
 def test_half_precision_is_computed_in_float32_and_float64_stays():
@@ -203,7 +205,7 @@ def test_head_transport_defects_zero_for_scaled_partial_isometries_and_zero_head
 
 
 def test_gram_matrices_match_dense_traces(monkeypatch):
-    monkeypatch.setattr(iso, "CHUNK_ENTRIES", 40)  # several blocks of b
+    monkeypatch.setattr(chunks, "CHUNK_ENTRIES", 40)  # several blocks of b
     _, _, W_V, W_O = random_problem(heads=3)
     T = W_V @ W_O
     K2, K4 = iso.gram_matrices(W_V, W_O)
@@ -223,7 +225,7 @@ def test_gram_matrices_match_dense_traces(monkeypatch):
 @pytest.mark.parametrize("heads", [1, 2, 3, 4])
 @pytest.mark.parametrize("causal", [False, True])
 def test_edge_gram_defects_match_per_edge_svd(heads, causal, monkeypatch):
-    monkeypatch.setattr(iso, "CHUNK_ENTRIES", 200)  # chunk the queries
+    monkeypatch.setattr(chunks, "CHUNK_ENTRIES", 200)  # chunk the queries
     pattern, _, W_V, W_O = random_problem(heads=heads, causal=causal, seed=heads)
     walk, g = walk_matrix(pattern), split_gates(pattern)
     r = iso.effective_rank(W_V, W_O)
@@ -250,19 +252,20 @@ def test_edge_blocks_split_the_edges_without_changing_them(monkeypatch):
     K2, K4 = iso.gram_matrices(W_V, W_O)
     rows = quartic.quartic_rows(torch.stack([K2, 2 * K2]), torch.stack([iso.fold_pairs(K4)] * 2))
     listed = split_gates(pattern)[0].flatten(1)  # [head, edge]
-    whole = iso._family_gram_defects(listed, rows, rank=8)
-    monkeypatch.setattr(iso, "EDGE_BLOCK", 4)  # several blocks, the last one partial
+    whole = fast_edges._family_gram_defects(listed, rows, rank=8)
+    monkeypatch.setattr(chunks, "EDGE_BLOCK", 4)  # several blocks, the last one partial
     assert listed.shape[1] % 4 != 0
-    for got, expected in zip(iso._family_gram_defects(listed, rows, rank=8), whole, strict=True):
+    blocked = fast_edges._family_gram_defects(listed, rows, rank=8)
+    for got, expected in zip(blocked, whole, strict=True):
         assert_close(got, expected)
     # accelerators: blocks as wide as DEVICE_BLOCK_ENTRIES products allow, never narrower
     cuda = torch.device("cuda")
-    assert iso._edge_block(torch.device("cpu"), rows) == 4
-    width = iso._edge_block(cuda, rows)
-    assert width == iso.DEVICE_BLOCK_ENTRIES // (rows.outputs * rows.families) > 4
-    assert rows.outputs * rows.families * width <= iso.DEVICE_BLOCK_ENTRIES
-    monkeypatch.setattr(iso, "DEVICE_BLOCK_ENTRIES", 1)
-    assert iso._edge_block(cuda, rows) == 4
+    assert chunks.edge_block(torch.device("cpu"), rows) == 4
+    width = chunks.edge_block(cuda, rows)
+    assert width == chunks.DEVICE_BLOCK_ENTRIES // (rows.outputs * rows.families) > 4
+    assert rows.outputs * rows.families * width <= chunks.DEVICE_BLOCK_ENTRIES
+    monkeypatch.setattr(chunks, "DEVICE_BLOCK_ENTRIES", 1)
+    assert chunks.edge_block(cuda, rows) == 4
 
 
 def test_edge_gram_defects_zero_for_scaled_orthogonal_transport():

@@ -18,6 +18,7 @@ from jaxtyping import TypeCheckError
 from tests.core import problems
 from tests.tolerances import assert_close, atol, rtol
 from tl_connwalk.core import laplacian as lap
+from tl_connwalk.core._fast import chunks
 from tl_connwalk.core.isometry import common_scale
 from tl_connwalk.core.markov import stationary_distribution
 from tl_connwalk.errors import ConnWalkError
@@ -91,7 +92,7 @@ def unchecked(fn):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_distance_matches_dense_block_matrices(causal, monkeypatch):
-    monkeypatch.setattr(lap, "CHUNK_ENTRIES", 3 * lap._TENSORS_PER_EDGE * 4 * 6)  # 3 edges/chunk
+    monkeypatch.setattr(chunks, "CHUNK_ENTRIES", 3 * lap._TENSORS_PER_EDGE * 4 * 6)  # 3 edges/chunk
     walk, gates, W_V, W_O, mu = random_problem(causal=causal, seed=1)
     scale = torch.tensor([0.7, 2.0], dtype=F64)
     result = lap.nearest_connection_operator_distance(walk, gates, W_V, W_O, mu, scale)

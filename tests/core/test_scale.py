@@ -15,6 +15,7 @@ from tests.core.problems import random_problem
 from tests.tolerances import assert_close, atol, cancelling_atol, rtol
 from tl_connwalk.core import field_defect, markov
 from tl_connwalk.core import isometry as iso
+from tl_connwalk.core._fast import chunks
 from tl_connwalk.core.walk import gates, walk_matrix
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.walk import ConnectionWalk
@@ -79,7 +80,7 @@ def test_heaviest_edges_match_a_row_by_row_reference(share, causal):
 @pytest.mark.parametrize("share", [0.5, 0.8, 0.95])
 @pytest.mark.parametrize("causal", [False, True])
 def test_restricted_defect_matches_materialised_kept_edges(share, causal, monkeypatch):
-    monkeypatch.setattr(iso, "CHUNK_ENTRIES", 64)  # several chunks of listed edges
+    monkeypatch.setattr(chunks, "CHUNK_ENTRIES", 64)  # several chunks of listed edges
     problem = random_problem(2, 3, 6, d_model=8, d_head=2, seed=1, causal=causal)
     walk, gates = problem.walk, problem.gates
     keep = iso.heaviest_edges(walk, share)

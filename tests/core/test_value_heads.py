@@ -15,6 +15,7 @@ from einops import einsum
 from tests.core.problems import F64, random_problem
 from tl_connwalk.core import draws, value_heads
 from tl_connwalk.core import isometry as iso
+from tl_connwalk.core._fast import chunks
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.walk import ConnectionWalk
 
@@ -238,7 +239,7 @@ def test_grouped_baselines_match_draws_with_shared_value_heads(route, monkeypatc
     if route == "direct":  # the field draws through R_V itself, not the keys' factor
         monkeypatch.setattr(draws, "KEY_ROUTE_SHARE", 0.0)
     if route == "keys, drawn again":  # factors and values too large to keep: drawn again
-        monkeypatch.setattr(iso, "CHUNK_ENTRIES", 64)
+        monkeypatch.setattr(chunks, "CHUNK_ENTRIES", 64)
     draws.raw_draws.cache_clear()
     draws.key_draws.cache_clear()
     n_heads, n_value, d_model, d_head = 4, 2, 12, 2

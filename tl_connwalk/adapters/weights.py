@@ -3,15 +3,16 @@
 import torch
 from torch import Tensor
 
-from tl_connwalk.core.isometry import abs_max
+from tl_connwalk.core.checks import abs_max
+from tl_connwalk.core.value_heads import expand_value_heads, grouped_value_heads
 
 
 def expand_kv_heads(weight: Tensor, n_heads: int) -> Tensor:
     """Repeat key-value heads along axis 0 so query head ``h`` gets KV head ``h // (H / H_kv)``."""
     n_kv_heads = weight.shape[0]
-    return (
-        weight if n_kv_heads == n_heads else weight.repeat_interleave(n_heads // n_kv_heads, dim=0)
-    )
+    if n_kv_heads == n_heads:
+        return weight
+    return expand_value_heads(weight, grouped_value_heads(n_heads, n_kv_heads))
 
 
 def inferred_processing(W_O: Tensor, b_V: Tensor | None) -> dict[str, bool]:

@@ -34,7 +34,6 @@ the same alone or in a batch).
 """
 
 import dataclasses
-import functools
 import hashlib
 from collections.abc import Iterator
 
@@ -43,7 +42,9 @@ from einops import einsum, rearrange
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from tl_connwalk.core import field_defect, head_grams, isometry, quartic, value_heads
+from tl_connwalk.core import checks, field_defect, head_grams, isometry, quartic, value_heads
+from tl_connwalk.core._fast import chunks, messages
+from tl_connwalk.core._fast.lru import memoized
 from tl_connwalk.core.value_heads import KVHeads
 from tl_connwalk.errors import ConnWalkError
 
@@ -61,7 +62,7 @@ OUT_ROWS_BYTES = 2**29
 class RawDraws:
     """The ``n_draws`` raw draws of one seed for heads of one shape, dtype and device.
 
-    ``kept`` holds the factors themselves when all of them fit ``isometry.CHUNK_ENTRIES``
+    ``kept`` holds the factors themselves when all of them fit ``CHUNK_ENTRIES``
     numbers (GPT-2 small: 8 draws are 9.4M); otherwise `factors` draws them again from the
     seed (the same numbers) instead of holding them.
     """
@@ -87,7 +88,7 @@ class RawDraws:
             )
 
 
-@functools.lru_cache(maxsize=2)
+@memoized("core.draws.raw_draws", maxsize=2)
 def raw_draws(
     v_shape: torch.Size,
     o_shape: torch.Size,
@@ -107,7 +108,7 @@ def raw_draws(
     fit ``OUT_ROWS_BYTES`` (a Llama-3-8B shape: 33 MiB per draw, 264 MiB for 8 draws).
     """
     generator = torch.Generator(device=device).manual_seed(seed)
-    keep = n_draws * (v_shape.numel() + o_shape.numel()) <= isometry.CHUNK_ENTRIES
+    keep = n_draws * (v_shape.numel() + o_shape.numel()) <= chunks.CHUNK_ENTRIES
     row_bytes = field_defect.output_gram_rows_numel(v_shape[0], v_shape[2]) * dtype.itemsize
     out_rows = n_draws * row_bytes <= OUT_ROWS_BYTES
     draws, kept = [], []
@@ -180,7 +181,7 @@ class KeyDraws:
     ``norms_sq[d, h]`` is ``||Z^{kv(h)} R_O^h||_F^2`` of draw ``d``'s implied Gaussian ``Z``
     (module docstring). ``kept`` holds each draw's standard Gaussian ``Y`` ``[n_keys, H
     d_head]`` (value heads expanded to the query heads that read them) when all of them fit
-    ``isometry.CHUNK_ENTRIES`` numbers; otherwise `values` draws them again from their seed.
+    ``CHUNK_ENTRIES`` numbers; otherwise `values` draws them again from their seed.
     """
 
     n_keys: int
@@ -211,14 +212,12 @@ class KeyDraws:
 def _expanded(values: Tensor, kv_heads: KVHeads | None, d_head: int) -> Tensor:
     """``[rows, H_kv d_head]`` value columns as ``[rows, H d_head]``: query head ``h`` gets
     value head ``kv(h)``'s block (unchanged without ``kv_heads``)."""
-    if kv_heads is None:
-        return values
     blocks = rearrange(values, "rows (kv d_head) -> rows kv d_head", d_head=d_head)
-    index = torch.tensor(kv_heads, device=values.device)
-    return rearrange(blocks[:, index], "rows head d_head -> rows (head d_head)")
+    expanded = value_heads.expand_value_heads(blocks, kv_heads, dim=1)
+    return rearrange(expanded, "rows head d_head -> rows (head d_head)")
 
 
-@functools.lru_cache(maxsize=2)
+@memoized("core.draws.key_draws", maxsize=2)
 def key_draws(
     v_shape: torch.Size,
     o_shape: torch.Size,
@@ -245,22 +244,27 @@ def key_draws(
     raw = raw_draws(v_shape, o_shape, dtype, device, seed, n_draws, *_sharing(kv_heads))
     width = n_heads * d_head
     n_value = value_heads.n_value_heads(kv_heads, n_heads)
-    index = torch.tensor(range(n_heads) if kv_heads is None else kv_heads, device=device)
     values_seed = _key_seed(seed, n_keys, "values")
     values = torch.Generator(device=device).manual_seed(values_seed)
     perp = torch.Generator(device=device).manual_seed(_key_seed(seed, n_keys, "perp"))
-    keep = n_draws * n_keys * width <= isometry.CHUNK_ENTRIES
+    keep = n_draws * n_keys * width <= chunks.CHUNK_ENTRIES
     norms, kept = [], []
     for (_, R_O), raw_draw in zip(raw.factors(), raw.draws, strict=True):
         Y = torch.randn((n_keys, n_value * d_head), dtype=dtype, device=device, generator=values)
         gram = einsum(*(Y.view(n_keys, n_value, d_head),) * 2, "n k p, n k q -> k p q")
-        for rows in isometry._query_chunks(d_model - n_keys, width):
+        for rows in chunks.query_chunks(d_model - n_keys, width):
             block = torch.randn(
                 (min(rows.stop, d_model - n_keys) - rows.start, n_value, d_head),
                 dtype=dtype, device=device, generator=perp,
             )  # fmt: skip
             gram += einsum(block, block, "n k p, n k q -> k p q")
-        norms.append(einsum(gram[index], _output_blocks(raw_draw, R_O), "h p q, h p q -> h"))
+        norms.append(
+            einsum(
+                value_heads.expand_value_heads(gram, kv_heads),
+                _output_blocks(raw_draw, R_O),
+                "h p q, h p q -> h",
+            )
+        )
         if keep:
             kept.append(_expanded(Y, kv_heads, d_head))
     return KeyDraws(
@@ -274,7 +278,7 @@ def _output_blocks(raw: head_grams.HeadGrams, R_O: Tensor) -> Tensor:
     n_heads, d_head, _ = R_O.shape
     if raw.out_rows is None:
         return R_O @ R_O.mT
-    rows = field_defect._gram_rows(raw.out_rows, n_heads, d_head)
+    rows = messages.row_blocks(raw.out_rows, n_heads, d_head)
     return torch.stack([row[:, :d_head] for row in rows])
 
 
@@ -375,7 +379,7 @@ def layer_draws(
     isometry.check_draws(n_draws)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConnWalkError(f"seed must be an integer, got {seed!r}.")
-    W_V, W_O = isometry._cast_heads(W_V, W_O)
+    W_V, W_O = checks.cast_heads(W_V, W_O)
     kv_heads = value_heads.check_kv_heads(kv_heads, W_V.shape[0])
     raw = raw_draws(W_V.shape, W_O.shape, W_V.dtype, W_V.device, seed, n_draws, *_sharing(kv_heads))
     target = isometry.head_norms_sq(W_V, W_O) if norms_sq is None else norms_sq.to(W_V)

@@ -19,20 +19,19 @@ keyed by a 128-bit XXH3 digest of the weights' bytes (with dtype, shapes and dev
   GPT-2-small layer, where SHA-256 took 3 ms, 5% of a warm measurement of every layer);
   on an accelerator the weights are first copied to the host.
 
-`cache_info` and `cache_clear` report on and empty the store, as ``functools.lru_cache`` does.
+`cache_info` and `cache_clear` report on and empty the store, as ``functools.lru_cache`` does
+(``tl_connwalk.caches`` and ``tl_connwalk.clear_caches``: every cache of the math core).
 """
 
 import dataclasses
-import threading
-from collections import OrderedDict
-from typing import NamedTuple
 
 import torch
 import xxhash
 from jaxtyping import Float
 from torch import Tensor
 
-from tl_connwalk.core import field_defect, isometry
+from tl_connwalk.core import checks, field_defect, isometry
+from tl_connwalk.core._fast.lru import CacheInfo, Store, tensor_bytes
 
 #: Most bytes the store keeps (least recently used entries leave first). A GPT-2-small layer
 #: needs 1.2 MiB (26 KiB without its ``out_rows``), a Llama-3-8B layer (32 heads) 1.1 MiB.
@@ -64,8 +63,7 @@ class HeadGrams:
     @property
     def nbytes(self) -> int:
         """Bytes held by the tensors."""
-        held = [t for t in dataclasses.astuple(self) if t is not None]
-        return sum(t.numel() * t.element_size() for t in held)
+        return tensor_bytes(self)
 
 
 def compute_head_grams(
@@ -117,50 +115,8 @@ def weights_digest(*tensors: Tensor) -> str:
     return digest.hexdigest()
 
 
-class CacheInfo(NamedTuple):
-    """Hits, misses, entries and bytes held by the `head_grams` store."""
-
-    hits: int
-    misses: int
-    currsize: int
-    nbytes: int
-
-
-class _Store:
-    """A least-recently-used map from digests to `HeadGrams`, bounded in bytes, thread-safe."""
-
-    def __init__(self) -> None:
-        self.entries: OrderedDict[str, HeadGrams] = OrderedDict()
-        self.nbytes = self.hits = self.misses = 0
-        self.lock = threading.Lock()
-
-    def get(self, key: str) -> HeadGrams | None:
-        with self.lock:
-            found = self.entries.get(key)
-            if found is None:
-                self.misses += 1
-            else:
-                self.hits += 1
-                self.entries.move_to_end(key)
-            return found
-
-    def put(self, key: str, value: HeadGrams) -> None:
-        with self.lock:
-            if key in self.entries or value.nbytes > CACHE_BYTES:
-                return
-            self.entries[key] = value
-            self.nbytes += value.nbytes
-            while self.nbytes > CACHE_BYTES:
-                _, old = self.entries.popitem(last=False)
-                self.nbytes -= old.nbytes
-
-    def clear(self) -> None:
-        with self.lock:
-            self.entries.clear()
-            self.nbytes = self.hits = self.misses = 0
-
-
-_STORE = _Store()
+#: The store of `head_grams`, by digest of the weights, at most `CACHE_BYTES` bytes.
+_STORE: Store[HeadGrams] = Store("core.head_grams", maxbytes=lambda: CACHE_BYTES)
 
 
 def head_grams(
@@ -172,7 +128,7 @@ def head_grams(
     >>> head_grams(W_V, W_O) is head_grams(W_V.clone(), W_O.clone())
     True
     """
-    W_V, W_O = isometry._cast_heads(W_V, W_O)
+    W_V, W_O = checks.cast_heads(W_V, W_O)
     key = weights_digest(W_V, W_O)
     found = _STORE.get(key)
     if found is None:
@@ -183,8 +139,7 @@ def head_grams(
 
 def cache_info() -> CacheInfo:
     """Hits, misses, entries and bytes of the `head_grams` store since the last clear."""
-    with _STORE.lock:
-        return CacheInfo(_STORE.hits, _STORE.misses, len(_STORE.entries), _STORE.nbytes)
+    return _STORE.info()
 
 
 def cache_clear() -> None:

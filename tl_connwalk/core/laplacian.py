@@ -23,12 +23,13 @@ from einops import einsum, rearrange, reduce
 from jaxtyping import Float
 from torch import Tensor
 
-from tl_connwalk.core.isometry import _check_heads, working_dtype
+from tl_connwalk.core._fast import chunks
+from tl_connwalk.core.checks import check_heads, check_optional_count, working_dtype
 from tl_connwalk.core.markov import _check_walk
 from tl_connwalk.errors import ConnWalkError
 
-#: Working-memory budget (entries) of one chunk of materialised edge transports.
-CHUNK_ENTRIES = 2**24
+#: The chunks' working-memory budget (`tl_connwalk.core.isometry.CHUNK_ENTRIES`), old name.
+CHUNK_ENTRIES = chunks.CHUNK_ENTRIES
 #: Number of ``d_model x max(d_model, H d_head)`` tensors one edge holds at peak in a chunk.
 _TENSORS_PER_EDGE = 10
 
@@ -154,7 +155,7 @@ def nearest_connection_operator_distance(
     torch.Size([1])
     """
     walk64 = _check_walk(walk)
-    _check_heads(W_V, W_O)
+    check_heads(W_V, W_O)
     n_heads = W_V.shape[0]
     if (
         gates.ndim != 4
@@ -169,7 +170,7 @@ def nearest_connection_operator_distance(
         raise ConnWalkError("gates have NaN or inf entries; use walk.gates() (uniform on 0/0).")
     mu64 = _check_mu(mu, walk64)
     scale64 = _check_scale(scale, walk64)
-    _check_max_edges(max_edges)
+    check_optional_count(max_edges, "max_edges", "all edges", "integer")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConnWalkError(f"seed must be an integer, got {seed!r}.")
 
@@ -193,7 +194,7 @@ def nearest_connection_operator_distance(
     batch = walk64.shape[0]
     d_model, inner = W_V.shape[1], n_heads * W_V.shape[2]
     per_edge = _TENSORS_PER_EDGE * d_model * max(d_model, inner)
-    step = max(1, CHUNK_ENTRIES // per_edge)
+    step = max(1, chunks.CHUNK_ENTRIES // per_edge)
     diff_sq = torch.zeros(batch, dtype=torch.float64, device=device)
     norm_sq = torch.zeros(batch, dtype=torch.float64, device=device)
     for start in range(0, edges.shape[0], step):
@@ -253,15 +254,6 @@ def _check_scale(scale: Tensor | float, walk64: Tensor) -> Tensor:
     if not torch.isfinite(scale64).all() or (scale64 < 0).any():
         raise ConnWalkError("scale must be finite and >= 0 (a common scale s of s O, spec §2).")
     return scale64
-
-
-def _check_max_edges(max_edges: int | None) -> None:
-    if max_edges is None:
-        return
-    if isinstance(max_edges, bool) or not isinstance(max_edges, int) or max_edges < 1:
-        raise ConnWalkError(
-            f"max_edges must be None (all edges) or a positive integer, got {max_edges!r}."
-        )
 
 
 def _reversibilised(walk64: Tensor, mu64: Tensor) -> Tensor:

@@ -20,20 +20,19 @@ from einops import einsum, rearrange, reduce
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from tl_connwalk.core.isometry import (
-    _check_chunk,
-    _check_gates,
-    _check_heads,
-    _query_chunks,
+from tl_connwalk.core._fast.chunks import query_chunks
+from tl_connwalk.core._fast.grams import head_gram, head_mixed_gram
+from tl_connwalk.core.checks import (
     all_finite,
+    check_chunk,
     check_flag,
+    check_gates,
+    check_heads,
     check_walk_nonnegative,
-    head_gram,
-    head_mixed_gram,
-    walk_weighted_mean,
     working_dtype,
 )
 from tl_connwalk.core.padding import first_real, real_edges
+from tl_connwalk.core.weighted import walk_weighted_mean
 from tl_connwalk.errors import ConnWalkError
 
 MuKind = Literal["stationary", "uniform", "given", "teleport"]
@@ -381,13 +380,13 @@ def edge_pairing_residuals(
             f"gates must be [batch, head, query, key] with head={n_heads} and query == key; "
             f"got {tuple(gates.shape)}."
         )
-    _check_chunk(query_chunk)
+    check_chunk(query_chunk)
     dtype = working_dtype(gates, K2, KM)
     gates, K2, KM = (t.to(device=gates.device, dtype=dtype) for t in (gates, K2, KM))
     batch, _, n_query, n_key = gates.shape
     norm_sq = gates.new_empty(batch, n_query, n_key)
     cross = gates.new_empty(batch, n_query, n_key)
-    for rows in _query_chunks(n_query, batch * n_heads * n_key, query_chunk):
+    for rows in query_chunks(n_query, batch * n_heads * n_key, query_chunk):
         g = gates[:, :, rows]
         reverse = rearrange(gates[:, :, :, rows], "batch head key query -> batch head query key")
         mixed = einsum(g, K2, "batch a query key, a b -> batch b query key")
@@ -464,9 +463,9 @@ def pairing_residual(
         both = both & edges.to(both.device)
     off_diagonal = ~torch.eye(walk64.shape[-1], dtype=torch.bool, device=walk64.device)
     applicable = rearrange(both & off_diagonal, "batch query key -> batch (query key)").any(-1)
-    _check_heads(W_V, W_O)
-    _check_gates(gates, W_V.shape[0])
-    _check_chunk(query_chunk)
+    check_heads(W_V, W_O)
+    check_gates(gates, W_V.shape[0])
+    check_chunk(query_chunk)
     if not bool(applicable.any()):  # causal: nothing to measure, so no Gram work either
         zeros = torch.zeros(applicable.shape, dtype=working_dtype(walk), device=walk.device)
         return PairingResidual(zeros, applicable)

@@ -76,6 +76,20 @@ class Moments:
         m2 = (weights * (values - mean[..., None]).square()).sum(-1)
         return cls(count=count, mean=mean, m2=m2)
 
+    @classmethod
+    def of_edges(
+        cls,
+        values: Float[Tensor, "*family batch query key"],
+        walk: Float[Tensor, "batch query key"],
+    ) -> "Moments":
+        """`of_weighted` over the edges ``(query, key)``: the walk-weighted moments of per-edge
+        values, per batch element (and family), the one home of every walk-weighted spread.
+
+        >>> Moments.of_edges(torch.ones(2, 1, 3, 3), torch.full((1, 3, 3), 1 / 3)).cv
+        tensor([[0.], [0.]])
+        """
+        return cls.of_weighted(values.flatten(-2), walk.flatten(-2))
+
     def merge(self, other: "Moments") -> "Moments":
         """The summary of both summaries' data (Chan's parallel update, see the module)."""
         count = self.count + other.count

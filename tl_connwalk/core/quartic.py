@@ -30,12 +30,13 @@ against 143616 multiply-adds, 370 against 528 rows.
 """
 
 import dataclasses
-import functools
 from typing import NamedTuple
 
 import torch
 from einops import rearrange
 from torch import Tensor
+
+from tl_connwalk.core._fast.lru import memoized
 
 #: The cost model of one range's product over a block of edges, in multiply-adds per edge:
 #: a fixed cost per product and one per output row beside the ``rows x columns`` work
@@ -77,7 +78,7 @@ def _ranges(n_heads: int, families: int) -> tuple[_Range, ...]:
     return _cheapest_ranges(n_heads, families, PRODUCT_COST, ROW_COST)
 
 
-@functools.lru_cache(maxsize=16)
+@memoized("core.quartic.ranges", maxsize=16)
 def _cheapest_ranges(
     n_heads: int, families: int, product_cost: int, row_cost: int
 ) -> tuple[_Range, ...]:
@@ -110,7 +111,7 @@ def _cheapest_ranges(
     return tuple(reversed(ranges))
 
 
-@functools.lru_cache(maxsize=8)
+@memoized("core.quartic.layout", maxsize=8)
 def _layout(n_heads: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     """Index tensors of the monomial coefficients, made once per head count and device.
 

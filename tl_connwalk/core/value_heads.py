@@ -15,6 +15,9 @@ only: they change the patterns, never ``W_V`` or ``W_O``, so they enter no rank.
 
 from collections.abc import Sequence
 
+import torch
+from torch import Tensor
+
 from tl_connwalk.errors import ConnWalkError
 
 KVHeads = tuple[int, ...]
@@ -106,3 +109,16 @@ def is_shared(kv_heads: Sequence[int] | None) -> bool:
     (True, False, False)
     """
     return kv_heads is not None and len(set(kv_heads)) < len(kv_heads)
+
+
+def expand_value_heads(values: Tensor, kv_heads: Sequence[int] | None, dim: int = 0) -> Tensor:
+    """One block per query head along ``dim``: query head ``h`` gets value head ``kv(h)``'s
+    block of ``values`` (``[..., kv_head, ...]`` to ``[..., head, ...]``; unchanged without
+    ``kv_heads``). The one expansion of grouped-query weights, values and draws.
+
+    >>> expand_value_heads(torch.tensor([10, 20]), grouped_value_heads(4, 2))
+    tensor([10, 10, 20, 20])
+    """
+    if kv_heads is None:
+        return values
+    return values.index_select(dim, torch.tensor(tuple(kv_heads), device=values.device))

@@ -1,0 +1,62 @@
+"""Chunk sizes of the per-edge work, one home for all: how many query rows (and edges) a
+chunk holds, so that memory stays at the pattern's size plus one chunk. Results never depend
+on them."""
+
+import torch
+from einops import reduce
+from torch import Tensor
+
+from tl_connwalk.core.quartic import QuarticRows
+
+#: Working-memory budget (entries) of the chunked contractions below.
+CHUNK_ENTRIES = 2**24
+
+
+#: Edges per block of the per-edge Gram work on the CPU: its temporaries stay in cache.
+EDGE_BLOCK = 4096
+
+
+#: Numbers in one block's products on other devices (CUDA), where a block costs kernel
+#: launches rather than cache misses (`edge_block`).
+DEVICE_BLOCK_ENTRIES = 2**26
+
+
+def query_chunks(n_query: int, per_query: int, query_chunk: int | None = None) -> list[slice]:
+    """Slices of query rows: ``query_chunk`` rows each, or as many as fit ``CHUNK_ENTRIES``.
+
+    Callers write each chunk's result into an output allocated before the loop: results kept
+    as a list of small tensors between the large temporaries fragment the C heap, which then
+    cannot reuse or return them (at 8192 tokens and 12 heads the process grows by gigabytes).
+    """
+    step = max(1, CHUNK_ENTRIES // max(1, per_query)) if query_chunk is None else query_chunk
+    return [slice(start, start + step) for start in range(0, n_query, step)]
+
+
+def edge_chunks(
+    n_query: int, n_key: int, per_query: int, query_chunk: int | None, walk: Tensor | None
+) -> list[tuple[slice, int]]:
+    """`query_chunks`, each with 1 + the last key that is an edge of any of its rows.
+
+    Keys past it are no edge of the chunk (the future of a causal walk, trailing padding), so
+    per-edge work stops there and the values there are left 0, as on every non-edge. With a
+    walk, automatic chunks are at most an eighth of the rows (at least 16), so that a causal
+    walk skips most of its future. Without a walk every key counts.
+    """
+    if walk is None:
+        return [(rows, n_key) for rows in query_chunks(n_query, per_query, query_chunk)]
+    if query_chunk is None:
+        query_chunk = min(max(1, CHUNK_ENTRIES // max(1, per_query)), max(16, -(-n_query // 8)))
+    present = reduce(walk > 0, "batch query key -> query key", "max")
+    positions = torch.arange(1, n_key + 1, device=walk.device)
+    last = reduce(present * positions, "query key -> query", "max").tolist()
+    return [(rows, max(last[rows], default=0)) for rows in query_chunks(n_query, 1, query_chunk)]
+
+
+def edge_block(device: torch.device, rows: QuarticRows) -> int:
+    """Edges per block of `_family_gram_defects`: ``EDGE_BLOCK`` on the CPU; elsewhere as many
+    as fill ``DEVICE_BLOCK_ENTRIES`` numbers of products (``QuarticRows.outputs`` per family and
+    edge), at least ``EDGE_BLOCK``.
+    """
+    if device.type == "cpu":
+        return EDGE_BLOCK
+    return max(EDGE_BLOCK, DEVICE_BLOCK_ENTRIES // (rows.outputs * rows.families))
