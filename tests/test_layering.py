@@ -14,6 +14,7 @@ PACKAGE = Path(__file__).parents[1] / "tl_connwalk"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
     ("core",),
+    ("views",),
     ("walk", "residual"),
     ("adapters", "hooks", "bridge_hooks"),
     ("cache", "analysis", "plugin", "ablations", "attribution", "distributed"),

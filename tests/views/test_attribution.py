@@ -10,7 +10,7 @@ from tests.architectures import bridge_only, cached_bridge, default_model, token
 from tests.views.pages import RTOL, Page
 from tl_connwalk import Attribution, ConnWalkError
 from tl_connwalk.attribution.routes import Route
-from tl_connwalk.views import attribution_data
+from tl_connwalk.attribution.view import attribution_data
 
 HOSTILE = "</script><img src=x onerror=alert(1)>"
 

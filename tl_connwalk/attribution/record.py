@@ -68,7 +68,7 @@ class Attribution:
         top_edges: int = 8,
     ) -> None:
         """Display this attribution in a Jupyter notebook, as `to_html` draws it."""
-        from tl_connwalk.views import attribution_view
+        from tl_connwalk.attribution.view import attribution_view
 
         attribution_view(
             self, model=model, str_tokens=str_tokens, routes=routes, top_edges=top_edges
@@ -97,7 +97,7 @@ class Attribution:
         >>> result.to_html(f"{tempfile.mkdtemp()}/attribution.html", model=model).name
         'attribution.html'
         """
-        from tl_connwalk.views import attribution_view
+        from tl_connwalk.attribution.view import attribution_view
 
         view = attribution_view(
             self, model=model, str_tokens=str_tokens, routes=routes, top_edges=top_edges

@@ -60,7 +60,7 @@ class View:
         kind: ``"attribution"`` or ``"walk"``.
         title: the saved page's title.
         data: the numbers and labels the page draws, JSON-ready (see
-            `tl_connwalk.views.attribution.attribution_data` and
+            `tl_connwalk.attribution.view.attribution_data` and
             `tl_connwalk.views.walk.walk_data`).
     """
 

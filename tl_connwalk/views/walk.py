@@ -5,7 +5,8 @@ gates and per-head patterns, the incoming edges of the selected query as arcs, t
 ``g^h`` of every head as small heatmaps, and the edge contributions when given.
 """
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
 
@@ -13,11 +14,26 @@ from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.views.labels import StrTokens, token_labels
 from tl_connwalk.views.numbers import as_lists
 from tl_connwalk.views.page import View
-from tl_connwalk.walk import ConnectionWalk
+
+
+@runtime_checkable
+class ShownWalk(Protocol):
+    """What the page reads from a walk (a `tl_connwalk.ConnectionWalk`)."""
+
+    @property
+    def walk(self) -> Tensor: ...  # [batch, query, key]
+    @property
+    def gates(self) -> Tensor: ...  # [batch, head, query, key]
+    @property
+    def attention_mask(self) -> Tensor | None: ...  # [batch, pos]
+    @property
+    def layer(self) -> int | None: ...
+    @property
+    def kv_heads(self) -> Sequence[int] | None: ...
 
 
 def walk_view(
-    walk: ConnectionWalk,
+    walk: ShownWalk,
     *,
     str_tokens: StrTokens | None = None,
     edge_contributions: Tensor | None = None,
@@ -39,7 +55,7 @@ def walk_view(
 
 
 def walk_data(
-    walk: ConnectionWalk,
+    walk: ShownWalk,
     *,
     str_tokens: StrTokens | None = None,
     edge_contributions: Tensor | None = None,

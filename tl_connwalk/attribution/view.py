@@ -7,23 +7,40 @@ component's direct path; and each layer's strongest edges (`Attribution.edges`) 
 
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
-from jaxtyping import Float
+from jaxtyping import Float, Int
 from torch import Tensor
 
-from tl_connwalk.attribution.record import Attribution
 from tl_connwalk.attribution.routes import Route
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.views.labels import StrTokens, target_label, token_labels
 from tl_connwalk.views.numbers import as_lists, rounded
 from tl_connwalk.views.page import View
 
+
+@runtime_checkable
+class ShownAttribution(Protocol):
+    """What the page reads from an attribution (a `tl_connwalk.Attribution`)."""
+
+    scores: Float[Tensor, "batch source"]
+    bias: Float[Tensor, " batch"]
+    target_value: Float[Tensor, " batch"]
+    tokens: Int[Tensor, "batch source"]
+    position: Int[Tensor, " batch"]
+    targets: tuple[str, ...]
+    method: str
+
+    def by_component(self) -> Float[Tensor, "batch component source"]: ...
+    def component_names(self) -> list[str]: ...
+    def edges(self, layer: int) -> Float[Tensor, "batch head query key"]: ...
+
+
 _COMPONENT = re.compile(r"L(\d+)(?:H(\d+)|(MLP))")
 
 
 def attribution_view(
-    result: Attribution,
+    result: ShownAttribution,
     *,
     model: Any = None,
     str_tokens: StrTokens | None = None,
@@ -43,7 +60,7 @@ def attribution_view(
 
 
 def attribution_data(
-    result: Attribution,
+    result: ShownAttribution,
     *,
     model: Any = None,
     str_tokens: StrTokens | None = None,
@@ -113,7 +130,7 @@ def attribution_data(
     }
 
 
-def _components(result: Attribution) -> tuple[list[str] | None, Tensor | None, str | None]:
+def _components(result: ShownAttribution) -> tuple[list[str] | None, Tensor | None, str | None]:
     """``component_names``, ``by_component()`` and, where they are not defined, why not."""
     try:
         return result.component_names(), result.by_component(), None
@@ -121,7 +138,7 @@ def _components(result: Attribution) -> tuple[list[str] | None, Tensor | None, s
         return None, None, f"No head grid: {error}"
 
 
-def _layer_edges(result: Attribution) -> tuple[list[Tensor], str | None]:
+def _layer_edges(result: ShownAttribution) -> tuple[list[Tensor], str | None]:
     """Every layer's ``edges(layer)`` in order, or why there are none.
 
     The record holds one entry per layer and refuses the index past the last one.
