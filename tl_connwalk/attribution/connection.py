@@ -55,7 +55,7 @@ def evaluate(
     taps: dict[str, Callable[[Tensor], None]],
     cap_gain: Tensor | None = None,
     overrides: dict[str, Tensor] | None = None,
-) -> tuple[Float[Tensor, " batch"], Tensor, Float[Tensor, "batch pos d_model"]]:
+) -> tuple[Float[Tensor, " batch"], Tensor, Float[Tensor, "batch pos ..."]]:
     """``F`` at ``embeddings``, read at the target: ``y`` ``[batch]``, its soft-cap gains and
     the activation it read (the final residual ``r_final``, or the target's hook)."""
     final: dict[str, Tensor] = {}
