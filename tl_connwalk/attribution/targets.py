@@ -165,6 +165,11 @@ def _hook_target(
     if isinstance(first, nn.Module):
         read = sae.encoder(first, which)
         name, direction, offset, label = read.hook, read.direction, read.offset, read.label
+        if direction.numel() != activation[0, 0].numel():
+            raise ConnWalkError(
+                f"this SAE reads {direction.numel()} values per position, but {name!r} holds "
+                f"{tuple(activation.shape[2:])} per position: is it an SAE of this model?"
+            )
     else:
         name, direction, offset = first, which, torch.zeros(())
     if activation.shape[:2] != tokens_shape:
