@@ -219,7 +219,7 @@ def test_target_at_an_mlp_pre_activation():
         (("blocks.0.mlp.hook_post", 10_000), "out of range"),
         (("blocks.0.mlp.hook_post", torch.tensor([1, 2])), "unit index"),
         (("blocks.0.hook_resid_pre", torch.ones(5)), "24 entries per position"),
-        (("blocks.0.attn.hook_result", 0), "did not fire"),
+        (("blocks.0.attn.hook_result", 0), "does not fire"),
     ],
     ids=str,
 )

@@ -66,6 +66,10 @@ def _run_until(
         logits: Tensor = model.run_with_hooks(tokens, fwd_hooks=[*hooks, *stop])  # type: ignore[operator]
     except _Stop:
         return None
+    except ValueError as error:  # a Bridge refuses a hook point its config leaves off
+        if stop_at is None or stop_at not in str(error):
+            raise
+        raise ConnWalkError(f"the hook point {stop_at!r} does not fire: {error}") from error
     return logits
 
 
@@ -166,7 +170,7 @@ class FrozenNetwork:
             logits = _run_until(model, tokens, saves, stop_at)
         if final not in cache:
             raise ConnWalkError(
-                f"the hook point {final!r} did not fire in {type(model).__name__}'s forward "
+                f"the hook point {final!r} does not fire in {type(model).__name__}'s forward "
                 "pass (some hook points only run when a config option enables them)."
             )
         head_gains = {path: _gain(*seen[path]) for path in seen}
