@@ -42,12 +42,12 @@ def _tokens(model: nn.Module, input: str | list[str] | Tensor) -> Tensor:
 
 def _rollout(frozen: FrozenNetwork, position: Tensor) -> Tensor:
     """Rollout's row ``position`` over the layers whose patterns ran before the target."""
-    batch, n_pos = frozen.tokens.shape
     names = [name for name in pattern_hooks(frozen.model) if name in frozen.frozen]
-    patterns = torch.stack([frozen.frozen[name] for name in names]) if names else None
-    if patterns is None:  # no layer: the identity
-        patterns = frozen.tokens.new_zeros(0, batch, 1, n_pos, n_pos, dtype=torch.float)
-    return baselines.rollout(patterns)[torch.arange(batch, device=position.device), position]
+    if not names:  # the target is read before any attention: the identity
+        return torch.eye(frozen.tokens.shape[1], device=position.device)[position]
+    patterns = torch.stack([frozen.frozen[name] for name in names])
+    rows = torch.arange(len(position), device=position.device)
+    return baselines.rollout(patterns)[rows, position]
 
 
 def attribute(
