@@ -83,3 +83,27 @@ def source_contributions(model: Any, tokens: Tensor, token: Tensor, position: in
 
     bias = target(None)
     return torch.stack([target(s) - bias for s in range(tokens.shape[1])], -1)
+
+
+def frozen_activation(
+    model: Any, tokens: Tensor, cache: Any, keep: int | None, hook: str
+) -> Tensor:
+    """The activation at ``hook`` in the frozen network fed only source ``keep``'s embeddings;
+    the whole network runs (layers after the hook too)."""
+    seen: dict[str, Tensor] = {}
+    hooks = [*frozen_hooks(model, cache, keep), (hook, lambda x, hook: seen.update(x=x.clone()))]
+    with torch.no_grad():
+        model.run_with_hooks(tokens, fwd_hooks=hooks)
+    return seen["x"]
+
+
+def hook_contributions(model: Any, tokens: Tensor, hook: str, read: Any) -> Tensor:
+    """``c_s = F(only e_s) - F(no embeddings)`` for ``y = read(x)``, ``x`` the activation at
+    ``hook`` ``[batch, pos, ...]``, ``read`` giving ``[batch]``: ``[batch, source]``."""
+    cache = clean_cache(model, tokens)
+
+    def target(keep: int | None) -> Tensor:
+        return read(frozen_activation(model, tokens, cache, keep, hook))
+
+    bias = target(None)
+    return torch.stack([target(s) - bias for s in range(tokens.shape[1])], -1)

@@ -40,6 +40,16 @@ def _tokens(model: nn.Module, input: str | list[str] | Tensor) -> Tensor:
     )
 
 
+def _rollout(frozen: FrozenNetwork, position: Tensor) -> Tensor:
+    """Rollout's row ``position`` over the layers whose patterns ran before the target."""
+    names = [name for name in pattern_hooks(frozen.model) if name in frozen.frozen]
+    if not names:  # the target is read before any attention: the identity
+        return torch.eye(frozen.tokens.shape[1], device=position.device)[position]
+    patterns = torch.stack([frozen.frozen[name] for name in names])
+    rows = torch.arange(len(position), device=position.device)
+    return baselines.rollout(patterns)[rows, position]
+
+
 def attribute(
     model: nn.Module,
     input: str | list[str] | Tensor,
@@ -65,7 +75,15 @@ def attribute(
         target: ``None``: the top predicted token's logit; a token id (or ``[batch]`` ids):
             its logit; ``(token, other)``: ``logit(token) - logit(other)``; a float
             ``[d_model]`` (or ``[batch, d_model]``) direction ``u``: ``u . r_final``, with
-            ``r_final`` the residual after the last block, before the final norm.
+            ``r_final`` the residual after the last block, before the final norm. Inside the
+            network, at a TransformerLens hook point ``h`` (activation ``x_h``, flattened at
+            the position): ``(h, u)`` with a float direction ``u`` (one entry per unit of
+            ``x_h``, or ``[batch, ...]``): ``u . x_h``; ``(h, i)`` with an int: unit ``i`` of
+            ``x_h`` (a neuron of ``blocks.6.mlp.hook_post``); ``(sae, i)`` with an SAELens
+            ``SAE``: feature ``i``'s pre-activation at the SAE's hook,
+            ``(x_h - b_dec) W_enc[:, i] + b_enc[i]``. Only what runs before ``h`` enters: the
+            clean run and ``F`` stop there, and later layers' edges are 0; ``by_component``
+            is for output targets.
         position: the position the target is read at (an int, negative from the end, or
             ``[batch]`` ints).
         method: ``"connection"``, the exact method; or a baseline (see
@@ -84,13 +102,16 @@ def attribute(
         >>> result = tl_connwalk.attribute(model, tokens, target=5, position=-1)
         >>> result.scores.shape, result.bias.shape
         (torch.Size([2, 8]), torch.Size([2]))
+        >>> neuron = tl_connwalk.attribute(model, tokens, target=("blocks.0.mlp.hook_post", 7))
+        >>> neuron.targets
+        ('blocks.0.mlp.hook_post[7] @ 7', 'blocks.0.mlp.hook_post[7] @ 7')
     """
     adapter_for(model)  # a supported model class, or a ConnWalkError naming them
     if method not in get_args(Method):
         raise ConnWalkError(f"unknown method {method!r}; choose one of {get_args(Method)}.")
     tokens = _tokens(model, input)
-    frozen = FrozenNetwork.from_clean_run(model, tokens)
-    target_ = targets.resolve(target, position, frozen.logits)
+    frozen = FrozenNetwork.from_clean_run(model, tokens, stop_at=targets.hook_of(model, target))
+    target_ = targets.resolve(target, position, frozen.logits, frozen.final_resid)
     clean = targets.clean_value(target_, frozen.logits, frozen.final_resid)
     if method != "connection":
         if method == "grad_x_input":
@@ -98,9 +119,7 @@ def attribute(
         elif method == "knockout":
             scores = baselines.knockout(frozen, target_, clean)
         else:
-            patterns = torch.stack([frozen.frozen[name] for name in pattern_hooks(model)])
-            rows = torch.arange(len(target_.position), device=patterns.device)
-            scores = baselines.rollout(patterns)[rows, target_.position].to(clean)
+            scores = _rollout(frozen, target_.position).to(clean)
         return Attribution(
             scores=scores,
             bias=(clean - scores.sum(-1)).detach(),

@@ -21,7 +21,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from tl_connwalk.attribution import targets
-from tl_connwalk.attribution.frozen import FrozenNetwork, config, final_resid_hook
+from tl_connwalk.attribution.frozen import FrozenNetwork, config
 
 #: sources knocked out per forward pass
 KNOCKOUT_CHUNK = 16
@@ -54,7 +54,7 @@ def grad_x_input(frozen: FrozenNetwork, target: targets.Target) -> Float[Tensor,
     hooks: list[tuple[str, Callable[..., Any]]] = [
         (name, lambda x, hook, leaf=leaf: leaf) for name, leaf in leaves.items()
     ]
-    hooks.append((final_resid_hook(frozen.model), lambda x, hook: final.update(r=x)))
+    hooks.append((targets.read_at(target, frozen.model), lambda x, hook: final.update(r=x)))
     with torch.enable_grad():
         logits = frozen.model.run_with_hooks(frozen.tokens, fwd_hooks=hooks)  # type: ignore[operator]
         y = targets.clean_value(target, logits, final["r"])
@@ -75,7 +75,7 @@ def knockout(
     names = [f"blocks.{layer}.attn.hook_attn_scores" for layer in range(config(model).n_layers)]
     scores = torch.zeros(batch, n_pos, dtype=clean.dtype, device=clean.device)
     final: dict[str, Tensor] = {}
-    read_final = (final_resid_hook(model), lambda x, hook: final.update(r=x))
+    read_final = (targets.read_at(target, model), lambda x, hook: final.update(r=x))
     for start in range(0, n_pos, KNOCKOUT_CHUNK):
         sources = torch.arange(start, min(start + KNOCKOUT_CHUNK, n_pos))
         k = len(sources)
@@ -93,13 +93,6 @@ def knockout(
             logits = model.run_with_hooks(  # type: ignore[operator]
                 frozen.tokens.repeat(k, 1), fwd_hooks=hooks
             )
-        repeated = targets.Target(
-            target.kind,
-            target.position.repeat(k),
-            None if target.token is None else target.token.repeat(k),
-            None if target.other is None else target.other.repeat(k),
-            None if target.direction is None else target.direction.repeat(k, 1),
-        )
-        knocked = targets.clean_value(repeated, logits, final["r"]).reshape(k, batch)
+        knocked = targets.clean_value(target.repeat(k), logits, final["r"]).reshape(k, batch)
         scores[:, sources] = (clean[None] - knocked).T.to(scores)
     return scores

@@ -22,7 +22,6 @@ from tl_connwalk.attribution import targets
 from tl_connwalk.attribution.frozen import (
     FrozenNetwork,
     config,
-    final_resid_hook,
     pattern_hooks,
 )
 from tl_connwalk.errors import ConnWalkError
@@ -56,11 +55,11 @@ def evaluate(
     taps: dict[str, Callable[[Tensor], None]],
     cap_gain: Tensor | None = None,
     overrides: dict[str, Tensor] | None = None,
-) -> tuple[Float[Tensor, " batch"], Tensor, Float[Tensor, "batch pos d_model"]]:
+) -> tuple[Float[Tensor, " batch"], Tensor, Float[Tensor, "batch pos ..."]]:
     """``F`` at ``embeddings``, read at the target: ``y`` ``[batch]``, its soft-cap gains and
-    the final residual ``r_final``."""
+    the activation it read (the final residual ``r_final``, or the target's hook)."""
     final: dict[str, Tensor] = {}
-    name = final_resid_hook(frozen.model)
+    name = targets.read_at(target, frozen.model)
     taps = {**taps, name: lambda x: final.__setitem__("resid", x)}
     with frozen.unembedding_input() as seen:
         frozen.run(embeddings, taps, overrides)
@@ -101,7 +100,10 @@ def connection(
         name: value.detach().clone().requires_grad_(True)
         for name, value in frozen.embeddings.items()
     }
-    patterns = {name: frozen.frozen[name] for name in pattern_hooks(frozen.model)}
+    # the layers whose patterns ran before the target (all, but for a target inside the network)
+    patterns = {
+        name: frozen.frozen[name] for name in pattern_hooks(frozen.model) if name in frozen.frozen
+    }
     pattern_leaves = {
         name: value.detach().clone().requires_grad_(True) for name, value in patterns.items()
     }
@@ -118,12 +120,13 @@ def connection(
         zero = {name: torch.zeros_like(value) for name, value in frozen.embeddings.items()}
         bias, _, _ = evaluate(frozen, target, zero, {}, cap_gain)
     _check_complete(y.detach(), scores, bias, clean)
-    edges = torch.stack(
-        [
-            torch.zeros_like(pattern) if grad is None else pattern * grad
-            for pattern, grad in zip(patterns.values(), grads[len(leaves) :], strict=True)
-        ]
-    )
+    batch, n_pos = frozen.tokens.shape
+    none = scores.new_zeros(batch, int(config(frozen.model).n_heads), n_pos, n_pos)
+    shares = {
+        name: none if grad is None else pattern * grad
+        for (name, pattern), grad in zip(patterns.items(), grads[len(leaves) :], strict=True)
+    }
+    edges = torch.stack([shares.get(name, none) for name in pattern_hooks(frozen.model)])
     return Connection(
         scores.detach(),
         bias,
@@ -164,6 +167,12 @@ def components(
     model = frozen.model
     n_layers = _n_layers(model)
     cfg = config(model)
+    if target.kind == "hook":
+        raise ConnWalkError(
+            f"by_component reads every component's output along the target's gradient at the "
+            f"final residual; {target.hook!r} is inside the network. Use scores and "
+            "edges(layer)."
+        )
     if hasattr(model, "mlm_head") or cfg.original_architecture in POST_NORM_ARCHITECTURES:
         raise ConnWalkError(
             "by_component needs a residual stream its components add into; in a post-norm "

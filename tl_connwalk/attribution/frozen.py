@@ -14,7 +14,9 @@ every model class whose hook names follow TransformerLens (``HookedTransformer``
 
 ``F`` is then affine in the input embeddings (``hook_embed``, ``hook_pos_embed``, and in BERT
 encoders ``embed.hook_embed``, ``embed.hook_pos_embed``, ``embed.hook_token_type_embed``) and,
-fed the clean embeddings, reproduces the clean run.
+fed the clean embeddings, reproduces the clean run. A target read inside the network
+(``stop_at``, a hook point) stops both the clean run and ``F`` at that hook: later layers
+neither run nor freeze.
 """
 
 import dataclasses
@@ -42,6 +44,33 @@ EMBEDDING_HOOKS = (
 HEAD_ACTIVATIONS = ("mlm_head.act_fn",)
 
 HookFn = Callable[..., Tensor | None]
+
+
+class _Stop(Exception):
+    """Raised by the hook a forward pass stops at (the target's hook)."""
+
+
+def _stop(activation: Tensor, hook: Any) -> None:
+    raise _Stop
+
+
+def _run_until(
+    model: nn.Module,
+    tokens: Tensor,
+    hooks: list[tuple[str, HookFn]],
+    stop_at: str | None,
+) -> Tensor | None:
+    """``model.run_with_hooks``; stopped after the hooks of ``stop_at`` ran (then ``None``)."""
+    stop = [] if stop_at is None else [(stop_at, _stop)]
+    try:
+        logits: Tensor = model.run_with_hooks(tokens, fwd_hooks=[*hooks, *stop])  # type: ignore[operator]
+    except _Stop:
+        return None
+    except ValueError as error:  # a Bridge refuses a hook point its config leaves off
+        if stop_at is None or stop_at not in str(error):
+            raise
+        raise ConnWalkError(f"the hook point {stop_at!r} does not fire: {error}") from error
+    return logits
 
 
 def _head_activations(model: nn.Module) -> dict[str, nn.Module]:
@@ -91,8 +120,11 @@ class FrozenNetwork:
         gains: ``mlp.hook_post`` name -> ``(mlp.hook_pre name, act(z*)/z*)``.
         head_gains: activation module path (`HEAD_ACTIVATIONS`) -> ``act(z*)/z*``.
         embeddings: embedding hook name -> clean value ``[batch, pos, d_model]``.
-        logits: the clean run's logits ``[batch, pos, d_vocab]``.
-        final_resid: the clean residual after the last block ``[batch, pos, d_model]``.
+        logits: the clean run's logits ``[batch, pos, d_vocab]`` (``None`` with ``stop_at``).
+        final_resid: the clean residual after the last block ``[batch, pos, d_model]``, or
+            with ``stop_at`` the clean activation at that hook ``[batch, pos, ...]``.
+        stop_at: the hook point where the clean run and ``F`` stop (a target inside the
+            network), or ``None``: they run to the logits.
     """
 
     model: nn.Module
@@ -101,12 +133,16 @@ class FrozenNetwork:
     gains: Mapping[str, tuple[str, Tensor]]
     head_gains: Mapping[str, Tensor]
     embeddings: Mapping[str, Tensor]
-    logits: Tensor
+    logits: Tensor | None
     final_resid: Tensor
+    stop_at: str | None = None
 
     @classmethod
-    def from_clean_run(cls, model: nn.Module, tokens: Int[Tensor, "batch pos"]) -> "FrozenNetwork":
-        """Run ``model`` on ``tokens`` once with a cache and freeze it there."""
+    def from_clean_run(
+        cls, model: nn.Module, tokens: Int[Tensor, "batch pos"], stop_at: str | None = None
+    ) -> "FrozenNetwork":
+        """Run ``model`` on ``tokens`` once with a cache and freeze it there (up to the hook
+        point ``stop_at``, if given: only what runs before it is frozen)."""
         hook_dict: Mapping[str, Any] = model.hook_dict  # type: ignore[assignment]
         names = list(hook_dict)
         _unsupported(names)
@@ -118,16 +154,24 @@ class FrozenNetwork:
             or name.endswith(("mlp.hook_pre", "mlp.hook_post"))
             or name in EMBEDDING_HOOKS
         }
-        final = final_resid_hook(model)
+        final = stop_at or final_resid_hook(model)
         heads = _head_activations(model)
         seen: dict[str, tuple[Tensor, Tensor]] = {}
         taps = {
             module: lambda module, args, out, path=path: seen.__setitem__(path, (args[0], out))
             for path, module in heads.items()
         }
+        cache: dict[str, Tensor] = {}  # in the order the hooks fire
+        saves: list[tuple[str, HookFn]] = [
+            (name, lambda x, hook, name=name: cache.__setitem__(name, x))
+            for name in [*wanted, final]
+        ]
         with torch.no_grad(), _module_hooks(taps):
-            logits, cache = model.run_with_cache(  # type: ignore[operator]
-                tokens, names_filter=lambda name: name in wanted or name == final
+            logits = _run_until(model, tokens, saves, stop_at)
+        if final not in cache:
+            raise ConnWalkError(
+                f"the hook point {final!r} does not fire in {type(model).__name__}'s forward "
+                "pass (some hook points only run when a config option enables them)."
             )
         head_gains = {path: _gain(*seen[path]) for path in seen}
         frozen = {name: cache[name] for name in cache if _is_frozen_in_place(name)}
@@ -144,7 +188,9 @@ class FrozenNetwork:
                 f"{type(model).__name__} fired none of the embedding hooks {EMBEDDING_HOOKS}; "
                 "attribution splits the output over them (spec §6)."
             )
-        return cls(model, tokens, frozen, gains, head_gains, embeddings, logits, cache[final])
+        return cls(
+            model, tokens, frozen, gains, head_gains, embeddings, logits, cache[final], stop_at
+        )
 
     def hooks(
         self,
@@ -194,8 +240,9 @@ class FrozenNetwork:
         embeddings: Mapping[str, Tensor],
         taps: Mapping[str, Callable[[Tensor], None]],
         overrides: Mapping[str, Tensor] | None = None,
-    ) -> Tensor:
-        """``F`` at ``embeddings`` (hook name -> ``[batch, pos, d_model]``); the logits."""
+    ) -> Tensor | None:
+        """``F`` at ``embeddings`` (hook name -> ``[batch, pos, d_model]``); the logits, or
+        ``None`` where ``F`` stops at ``stop_at``."""
         hooks = self.hooks(embeddings, taps, overrides)
         heads = _head_activations(self.model)
         frozen_heads = {
@@ -205,10 +252,7 @@ class FrozenNetwork:
         with warnings.catch_warnings(), _module_hooks(frozen_heads):
             # a Bridge's native-norm path warns that an edited hook_scale changes its rounding
             warnings.filterwarnings("ignore", message=".*edited hook_scale")
-            logits: Tensor = self.model.run_with_hooks(  # type: ignore[operator]
-                self.tokens, fwd_hooks=hooks
-            )
-        return logits
+            return _run_until(self.model, self.tokens, hooks, self.stop_at)
 
 
 def _gain(z: Tensor, activation: Tensor) -> Tensor:
