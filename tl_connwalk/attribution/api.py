@@ -6,13 +6,22 @@ import torch
 from torch import Tensor, nn
 
 from tl_connwalk.adapters import adapter_for
-from tl_connwalk.attribution import baselines, targets
+from tl_connwalk.attribution import baselines, layerwise, mixing, targets
 from tl_connwalk.attribution.connection import connection
 from tl_connwalk.attribution.frozen import FrozenNetwork, pattern_hooks
 from tl_connwalk.attribution.record import Attribution
 from tl_connwalk.errors import ConnWalkError
 
-Method = Literal["connection", "grad_x_input", "knockout", "rollout"]
+Method = Literal[
+    "connection", "grad_x_input", "knockout", "rollout", "attention_norm", "alti", "value_zeroing"
+]
+
+#: the baselines that roll out one token-mixing matrix per layer (`layerwise`, `mixing`)
+LAYERWISE = {
+    "attention_norm": layerwise.attention_norm,
+    "alti": layerwise.alti,
+    "value_zeroing": layerwise.value_zeroing,
+}
 
 
 def _tokens(model: nn.Module, input: str | list[str] | Tensor) -> Tensor:
@@ -73,8 +82,20 @@ def attribute(
             the embeddings) or ``"knockout"`` (ground truth by intervention: the target's drop
             when no other query may attend to the source, in any layer; one forward pass per
             source), or ``"rollout"`` (attention rollout: head-mean patterns with the
-            identity, multiplied over layers; a distribution over sources). A baseline's
-            ``bias`` is what it leaves unexplained.
+            identity, multiplied over layers). The layer-wise baselines summarise each layer
+            by a row-normalised matrix ``C_l`` (the residual path inside it) and roll it out,
+            ``R = C_{L-1} ... C_0``, ``scores = R[position]`` (`tl_connwalk.attribution.mixing`):
+            ``"attention_norm"`` (Kobayashi et al. 2020/2021:
+            ``C_ij ~ ||sum_h A^h_ij f^h(x_j) + [i = j] r_i||``, ``f^h(x) = (x W_V^h + b_V^h)
+            W_O^h``, ``r`` the residual entering the layer), ``"alti"`` (Ferrando et al. 2022:
+            ``C_ij ~ max(0, ||y_i||_1 - ||y_i - T_i(x_j)||_1)`` over the attention sublayer's
+            transformed vectors ``T_i(x_j)``, normalisation linearised, biases left out; pre-norm
+            decoders and ``HookedEncoder``) and ``"value_zeroing"`` (Mohebbi et al. 2023:
+            ``C_ij ~ 1 - cos(y_i^{-j}, y_i)``, ``y`` the layer's output and ``-j`` token ``j``'s
+            value vector zeroed in every head; one batched forward pass per layer). A row with
+            nothing measured becomes the identity's. Rollout and the layer-wise baselines give
+            distributions over sources (``scores`` sum to 1). A baseline's ``bias`` is what it
+            leaves unexplained.
 
     Returns:
         An `Attribution`: ``scores`` ``[batch, source]``, ``bias`` and ``target_value``
@@ -98,9 +119,13 @@ def attribute(
         elif method == "knockout":
             scores = baselines.knockout(frozen, target_, clean)
         else:
-            patterns = torch.stack([frozen.frozen[name] for name in pattern_hooks(model)])
-            rows = torch.arange(len(target_.position), device=patterns.device)
-            scores = baselines.rollout(patterns)[rows, target_.position].to(clean)
+            if method == "rollout":
+                patterns = torch.stack([frozen.frozen[name] for name in pattern_hooks(model)])
+                mixed = baselines.rollout(patterns)
+            else:
+                mixed = mixing.rolled_out(LAYERWISE[method](model, tokens))
+            rows = torch.arange(len(target_.position), device=mixed.device)
+            scores = mixed[rows, target_.position.to(mixed.device)].to(clean)
         return Attribution(
             scores=scores,
             bias=(clean - scores.sum(-1)).detach(),
