@@ -158,7 +158,7 @@ def value_zeroing(model: nn.Module, tokens: Int[Tensor, "batch pos"]) -> Tensor:
     outputs = [_layer_output(model, layer) for layer in range(n_layers)]
     cache = _clean(model, tokens, outputs)
     chunk = max(1, VALUE_ZEROING_ROWS // (batch * n_pos))
-    matrices = torch.zeros(n_layers, batch, n_pos, n_pos, dtype=torch.float64)
+    matrices = torch.zeros(n_layers, batch, n_pos, n_pos, dtype=torch.float64, device=tokens.device)
     for layer in range(n_layers):
         clean = cache[outputs[layer]]
         for start in range(0, n_pos, chunk):
@@ -166,7 +166,7 @@ def value_zeroing(model: nn.Module, tokens: Int[Tensor, "batch pos"]) -> Tensor:
             changed = _zeroed_run(model, tokens, layer, sources, outputs[layer])
             distance = mixing.cosine_distance(changed.double(), clean[None].double())
             matrices[layer, :, :, start : start + len(sources)] = distance.permute(1, 2, 0)
-    return mixing.normalised_rows(matrices.to(cache[outputs[0]].device))
+    return mixing.normalised_rows(matrices)
 
 
 def _zeroed_run(
