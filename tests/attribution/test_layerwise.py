@@ -228,9 +228,21 @@ def test_hooked_encoder(method):
 
 
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("arch_", ["gpt2", "llama"])
-def test_bridge(arch_, method):
-    check(cached_bridge(arch_, False), bridge_tokens(), method, torch.float32)
+@pytest.mark.parametrize(("arch_", "compat"), [("gpt2", False), ("llama", False), ("llama", True)])
+def test_bridge(arch_, compat, method):
+    check(cached_bridge(arch_, compat), bridge_tokens(), method, torch.float32)
+
+
+@pytest.mark.parametrize("method", ["attention_norm", "value_zeroing"])
+def test_bridge_with_a_norm_after_attention(method):
+    """Gemma 3 (``ln1_post``): the messages' norms are taken before that norm; value zeroing
+    reads the block's output."""
+    check(cached_bridge("gemma3", False), bridge_tokens(), method, torch.float32)
+
+
+def test_bridge_alti_refuses_a_norm_after_attention():
+    with pytest.raises(tl_connwalk.ConnWalkError, match="method='attention_norm'"):
+        tl_connwalk.attribute(cached_bridge("gemma3", False), bridge_tokens(), method="alti")
 
 
 @hooked_only
@@ -240,7 +252,7 @@ def test_value_zeroing_in_chunks(monkeypatch):
 
     model, toks = build("llama_gqa_rotary", dtype=torch.float64), tokens()
     whole = tl_connwalk.attribute(model, toks, method="value_zeroing")
-    monkeypatch.setattr(layerwise, "VALUE_ZEROING_ROWS", 2 * 4)  # 4 sources of 2 sequences
+    monkeypatch.setattr(layerwise, "VALUE_ZEROING_ROWS", 4 * 9)  # 4 sources of 9 positions
     chunked = tl_connwalk.attribute(model, toks, method="value_zeroing")
     # the same sums in other batch shapes: rounding only
     torch.testing.assert_close(

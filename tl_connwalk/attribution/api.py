@@ -92,10 +92,10 @@ def attribute(
             transformed vectors ``T_i(x_j)``, normalisation linearised, biases left out; pre-norm
             decoders and ``HookedEncoder``) and ``"value_zeroing"`` (Mohebbi et al. 2023:
             ``C_ij ~ 1 - cos(y_i^{-j}, y_i)``, ``y`` the layer's output and ``-j`` token ``j``'s
-            value vector zeroed in every head; one batched forward pass per layer). A row with
-            nothing measured becomes the identity's. Rollout and the layer-wise baselines give
-            distributions over sources (``scores`` sum to 1). A baseline's ``bias`` is what it
-            leaves unexplained.
+            value vector zeroed in every head; per sequence, one pass through each layer for
+            all sources). A row with nothing measured becomes the identity's. Rollout and the
+            layer-wise baselines give distributions over sources (``scores`` sum to 1). A
+            baseline's ``bias`` is what it leaves unexplained.
 
     Returns:
         An `Attribution`: ``scores`` ``[batch, source]``, ``bias`` and ``target_value``

@@ -3,9 +3,10 @@
 ``attention_norm`` and ``alti`` read one cache (patterns, the field each layer's values read,
 the residual stream ``blocks.{l}.hook_resid_pre``) and the layers' connection walks;
 ``value_zeroing`` reruns each layer with one token's value vector zeroed, every source of a
-chunk in one batched forward pass. The formulas are in `tl_connwalk.attribution.mixing`.
+chunk in one batched pass through that layer. The formulas are in `tl_connwalk.attribution.mixing`.
 """
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,7 @@ from tl_connwalk.core.walk import head_messages
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.walk import ConnectionWalk
 
-#: rows (sequences times positions) of one value-zeroing forward pass
+#: positions (sources times sequence length) in one value-zeroing pass through a layer
 VALUE_ZEROING_ROWS = 4096
 
 
@@ -150,55 +151,60 @@ def value_zeroing(model: nn.Module, tokens: Int[Tensor, "batch pos"]) -> Tensor:
 
     ``y_i`` is layer ``l``'s output at query ``i`` (its residual stream after the block) and
     ``y_i^{-j}`` the same with token ``j``'s value vector (``attn.hook_v``, every head, value
-    bias included) zeroed for every query, the layer's input kept. The sources of a chunk
-    run as one batch, stopping after layer ``l``.
+    bias included) zeroed for every query, the layer's input kept. Per sequence and layer, the
+    layers below run once and layer ``l`` once for a chunk of sources (its input copied per
+    source), stopping there.
     """
     batch, n_pos = tokens.shape
     n_layers = int(config(model).n_layers)
     outputs = [_layer_output(model, layer) for layer in range(n_layers)]
     cache = _clean(model, tokens, outputs)
-    chunk = max(1, VALUE_ZEROING_ROWS // (batch * n_pos))
+    chunk = max(1, VALUE_ZEROING_ROWS // n_pos)
     matrices = torch.zeros(n_layers, batch, n_pos, n_pos, dtype=torch.float64, device=tokens.device)
-    for layer in range(n_layers):
-        clean = cache[outputs[layer]]
-        for start in range(0, n_pos, chunk):
-            sources = torch.arange(start, min(start + chunk, n_pos), device=tokens.device)
-            changed = _zeroed_run(model, tokens, layer, sources, outputs[layer])
-            distance = mixing.cosine_distance(changed.double(), clean[None].double())
-            matrices[layer, :, :, start : start + len(sources)] = distance.permute(1, 2, 0)
+    for layer, b, start in itertools.product(range(n_layers), range(batch), range(0, n_pos, chunk)):
+        sources = torch.arange(start, min(start + chunk, n_pos), device=tokens.device)
+        changed = _zeroed_run(model, tokens[b : b + 1], layer, sources, outputs[layer])
+        clean = cache[outputs[layer]][b]
+        distance = mixing.cosine_distance(changed.double(), clean[None].double())
+        matrices[layer, b, :, start : start + len(sources)] = distance.T
     return mixing.normalised_rows(matrices)
 
 
 def _zeroed_run(
-    model: nn.Module, tokens: Tensor, layer: int, sources: Tensor, output: str
-) -> Float[Tensor, "source batch pos d_model"]:
-    """Layer ``layer``'s output with ``sources[k]``'s value vectors zeroed in copy ``k``."""
-    k, (batch, n_pos) = len(sources), tokens.shape
+    model: nn.Module, tokens: Int[Tensor, "1 pos"], layer: int, sources: Tensor, output: str
+) -> Float[Tensor, "source pos d_model"]:
+    """Layer ``layer``'s output with ``sources[k]``'s value vectors zeroed in copy ``k`` of the
+    layer's input (the layers below run once, for the one sequence)."""
+    k, n_pos = len(sources), tokens.shape[1]
     seen: dict[str, Tensor] = {}
 
+    def copy(resid: Tensor, hook: Any) -> Tensor:
+        return resid.repeat(k, 1, 1)
+
     def zero(v: Tensor, hook: Any) -> Tensor:
-        if v.shape[:2] != (k * batch, n_pos):
+        if v.shape[:2] != (k, n_pos):
             raise ConnWalkError(
                 f"blocks.{layer}.attn.hook_v has shape {tuple(v.shape)}; value zeroing expects "
-                f"[batch, pos, head, d_head] with pos={n_pos}."
+                f"[batch, pos, head, d_head] with batch={k}, pos={n_pos}."
             )
-        v = v.clone().unflatten(0, (k, batch))
-        v[torch.arange(k, device=v.device), :, sources] = 0
-        return v.flatten(0, 1)
+        v = v.clone()
+        v[torch.arange(k, device=v.device), sources] = 0
+        return v
 
     def stop(y: Tensor, hook: Any) -> None:
         seen["y"] = y
         raise _Stop
 
     hooks: list[tuple[str, Callable[..., Any]]] = [
+        (_resid_pre(layer), copy),
         (f"blocks.{layer}.attn.hook_v", zero),
         (output, stop),
     ]
     try:
         with torch.no_grad():
-            model.run_with_hooks(tokens.repeat(k, 1), fwd_hooks=hooks)  # type: ignore[operator]
+            model.run_with_hooks(tokens, fwd_hooks=hooks)  # type: ignore[operator]
     except _Stop:
         pass
     if "y" not in seen:
         raise ConnWalkError(f"{output} did not run; value zeroing reads each layer's output there.")
-    return seen["y"].unflatten(0, (k, batch))
+    return seen["y"]
