@@ -14,6 +14,7 @@ from tests import tolerances
 from tests.architectures import (
     HookedTransformer,
     HookedTransformerConfig,
+    bridge_only,
     bridge_tokens,
     build,
     cached_bridge,
@@ -42,7 +43,7 @@ def hand_model():
         model.unembed.W_U.copy_(torch.eye(2))
         model.blocks[0].attn.W_V.copy_(torch.eye(2)[None])
         model.blocks[0].attn.W_O.copy_(torch.tensor([[0.0, 1.0], [1.0, 0.0]])[None])
-    return model.double()
+    return model.to(torch.float64)
 
 
 @hooked_only
@@ -128,11 +129,13 @@ def attention_norm_reference(model, toks, position):
 
 def sublayer_output(model, toks, cache, layer, keep):
     """The attention sublayer's output of layer ``layer`` with its patterns and norm scales
-    frozen and only source ``keep``'s residual entering it (none: ``keep=None``)."""
+    frozen and only source ``keep``'s residual entering it (none: ``keep=None``): BERT's
+    LayerNorm ``ln1`` as its module outputs it, else ``hook_resid_mid`` (``hook_resid_post`` in
+    attention-only models)."""
     encoder = type(model).__name__ == "HookedEncoder"
-    read = f"blocks.{layer}.ln1.hook_normalized" if encoder else f"blocks.{layer}.hook_resid_mid"
+    read = f"blocks.{layer}.hook_resid_mid"
     if read not in cache:
-        read = f"blocks.{layer}.hook_resid_post"  # attention-only
+        read = f"blocks.{layer}.hook_resid_post"
     frozen = [f"blocks.{layer}.attn.hook_pattern", f"blocks.{layer}.ln1.hook_scale"]
     resid = cache[f"blocks.{layer}.hook_resid_pre"]
     masked = torch.zeros_like(resid)
@@ -141,16 +144,22 @@ def sublayer_output(model, toks, cache, layer, keep):
     seen = {}
     hooks = [(name, lambda x, hook, name=name: cache[name]) for name in frozen if name in cache]
     hooks.append((f"blocks.{layer}.hook_resid_pre", lambda x, hook: masked))
-    hooks.append((read, lambda x, hook: seen.__setitem__("y", x)))
-    with torch.no_grad():
-        model.run_with_hooks(toks, fwd_hooks=hooks)
-    return seen["y"] * (model.blocks[layer].ln1.w if encoder else 1)
+    if not encoder:
+        hooks.append((read, lambda x, hook: seen.__setitem__("y", x)))
+    ln1 = model.blocks[layer].ln1
+    handle = ln1.register_forward_hook(lambda module, args, out: seen.setdefault("ln1", out))
+    try:
+        with torch.no_grad():
+            model.run_with_hooks(toks, fwd_hooks=hooks)
+    finally:
+        handle.remove()
+    return seen["ln1"] if encoder else seen["y"]
 
 
 def alti_reference(model, toks, position):
     """``T_i(x_j) = y(r_j alone) - y(no residual)`` with the layer's patterns and norm scales
-    frozen, ``y`` the attention sublayer's output (``hook_resid_mid``, or BERT's LayerNorm of it,
-    read before its bias as ``ln1.hook_normalized`` times ``w``)."""
+    frozen, ``y`` the attention sublayer's output (`sublayer_output`); the difference leaves out
+    the biases."""
     with torch.no_grad():
         _, cache = model.run_with_cache(toks)
     matrices = []
@@ -224,7 +233,7 @@ def test_hooked_transformer(arch_, method):
 @hooked_only
 @pytest.mark.parametrize("method", METHODS)
 def test_hooked_encoder(method):
-    check(hooked_encoder().double(), tokens(), method, torch.float64)
+    check(hooked_encoder().to(torch.float64), tokens(), method, torch.float64)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -240,6 +249,7 @@ def test_bridge_with_a_norm_after_attention(method):
     check(cached_bridge("gemma3", False), bridge_tokens(), method, torch.float32)
 
 
+@bridge_only
 def test_bridge_alti_refuses_a_norm_after_attention():
     with pytest.raises(tl_connwalk.ConnWalkError, match="method='attention_norm'"):
         tl_connwalk.attribute(cached_bridge("gemma3", False), bridge_tokens(), method="alti")
