@@ -19,7 +19,7 @@ from torch import Tensor
 from transformer_lens import FactoredMatrix
 
 from tl_connwalk import residual
-from tl_connwalk.core import padding, value_heads
+from tl_connwalk.core import edge_norms, padding, value_heads
 from tl_connwalk.core import walk as core
 from tl_connwalk.core.generator import ConnectionGenerator
 from tl_connwalk.core.value_heads import KVHeads
@@ -280,6 +280,23 @@ class ConnectionWalk:
     def bias(self) -> Float[Tensor, "batch query d_model"]:
         """``c_i = sum_h (sum_j A^h_ij) b_V^h W_O^h + b_O``, so that output ``= P X + c``."""
         return core.attention_bias(self.patterns, self.b_V, self.W_O, self.b_O)
+
+    def edge_contributions(self) -> edge_norms.EdgeContributions:
+        """The norm of what each edge carries (Kobayashi et al. 2020), per edge and per head.
+
+        ``.edge`` ``[batch, query, key]``: ``||W_ij x_j T_ij||``, the walk's message (the
+        transported field, no bias); ``.head`` ``[batch, head, query, key]``:
+        ``||A^h_ij f^h(x_j)||`` with ``f^h(x_j) = (x_j W_V^h + b_V^h) W_O^h``, value biases
+        included and grouped-query value heads shared. Exactly the model's own value vectors
+        (``hook_v``) and output weights, whatever weight processing it had. 0 off the walk's
+        edges (`edges`: ``W_ij = 0``, padding). See `tl_connwalk.core.edge_norms`.
+
+        >>> walk.edge_contributions().head.shape  # [batch, head, query, key]
+        torch.Size([2, 4, 8, 8])
+        """
+        return edge_norms.edge_contributions(
+            self.patterns, self.field, self.W_V, self.b_V, self.W_O, self.edges()
+        )
 
     def generator(self) -> ConnectionGenerator:
         """``L = I - P`` as an operator: ``.matvec(field)``, ``.to_dense()`` on request."""

@@ -6,13 +6,22 @@ import torch
 from torch import Tensor, nn
 
 from tl_connwalk.adapters import adapter_for
-from tl_connwalk.attribution import baselines, targets
+from tl_connwalk.attribution import baselines, layerwise, mixing, targets
 from tl_connwalk.attribution.connection import connection
 from tl_connwalk.attribution.frozen import FrozenNetwork, pattern_hooks
 from tl_connwalk.attribution.record import Attribution
 from tl_connwalk.errors import ConnWalkError
 
-Method = Literal["connection", "grad_x_input", "knockout", "rollout"]
+Method = Literal[
+    "connection", "grad_x_input", "knockout", "rollout", "attention_norm", "alti", "value_zeroing"
+]
+
+#: the baselines that roll out one token-mixing matrix per layer (`layerwise`, `mixing`)
+LAYERWISE = {
+    "attention_norm": layerwise.attention_norm,
+    "alti": layerwise.alti,
+    "value_zeroing": layerwise.value_zeroing,
+}
 
 
 def _tokens(model: nn.Module, input: str | list[str] | Tensor) -> Tensor:
@@ -40,14 +49,19 @@ def _tokens(model: nn.Module, input: str | list[str] | Tensor) -> Tensor:
     )
 
 
-def _rollout(frozen: FrozenNetwork, position: Tensor) -> Tensor:
-    """Rollout's row ``position`` over the layers whose patterns ran before the target."""
+def _mixing(frozen: FrozenNetwork, method: str, position: Tensor) -> Tensor:
+    """Row ``position`` of a rolled-out mixing method (``rollout`` or a layer-wise one) over
+    the layers that ran before the target."""
     names = [name for name in pattern_hooks(frozen.model) if name in frozen.frozen]
     if not names:  # the target is read before any attention: the identity
         return torch.eye(frozen.tokens.shape[1], device=position.device)[position]
-    patterns = torch.stack([frozen.frozen[name] for name in names])
-    rows = torch.arange(len(position), device=position.device)
-    return baselines.rollout(patterns)[rows, position]
+    if method == "rollout":
+        mixed = baselines.rollout(torch.stack([frozen.frozen[name] for name in names]))
+    else:
+        layers = LAYERWISE[method](frozen.model, frozen.tokens)[: len(names)]
+        mixed = mixing.rolled_out(layers)
+    rows = torch.arange(len(position), device=mixed.device)
+    return mixed[rows, position.to(mixed.device)]
 
 
 def attribute(
@@ -91,8 +105,20 @@ def attribute(
             the embeddings) or ``"knockout"`` (ground truth by intervention: the target's drop
             when no other query may attend to the source, in any layer; one forward pass per
             source), or ``"rollout"`` (attention rollout: head-mean patterns with the
-            identity, multiplied over layers; a distribution over sources). A baseline's
-            ``bias`` is what it leaves unexplained.
+            identity, multiplied over layers). The layer-wise baselines summarise each layer
+            by a row-normalised matrix ``C_l`` (the residual path inside it) and roll it out,
+            ``R = C_{L-1} ... C_0``, ``scores = R[position]`` (`tl_connwalk.attribution.mixing`):
+            ``"attention_norm"`` (Kobayashi et al. 2020/2021:
+            ``C_ij ~ ||sum_h A^h_ij f^h(x_j) + [i = j] r_i||``, ``f^h(x) = (x W_V^h + b_V^h)
+            W_O^h``, ``r`` the residual entering the layer), ``"alti"`` (Ferrando et al. 2022:
+            ``C_ij ~ max(0, ||y_i||_1 - ||y_i - T_i(x_j)||_1)`` over the attention sublayer's
+            transformed vectors ``T_i(x_j)``, normalisation linearised, biases left out; pre-norm
+            decoders and ``HookedEncoder``) and ``"value_zeroing"`` (Mohebbi et al. 2023:
+            ``C_ij ~ 1 - cos(y_i^{-j}, y_i)``, ``y`` the layer's output and ``-j`` token ``j``'s
+            value vector zeroed in every head; per sequence, one pass through each layer for
+            all sources). A row with nothing measured becomes the identity's. Rollout and the
+            layer-wise baselines give distributions over sources (``scores`` sum to 1). A
+            baseline's ``bias`` is what it leaves unexplained.
 
     Returns:
         An `Attribution`: ``scores`` ``[batch, source]``, ``bias`` and ``target_value``
@@ -119,7 +145,7 @@ def attribute(
         elif method == "knockout":
             scores = baselines.knockout(frozen, target_, clean)
         else:
-            scores = _rollout(frozen, target_.position).to(clean)
+            scores = _mixing(frozen, method, target_.position).to(clean)
         return Attribution(
             scores=scores,
             bias=(clean - scores.sum(-1)).detach(),

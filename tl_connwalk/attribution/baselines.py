@@ -10,7 +10,9 @@
   ``attn.hook_attn_scores``, set to ``-inf``; position ``s`` still attends to itself). One
   forward pass per source, ``chunk`` sources batched in each.
 
-Neither is complete: their ``bias`` is what they leave unexplained, ``y - sum_s s_s``.
+The layer-wise baselines (``"attention_norm"``, ``"alti"``, ``"value_zeroing"``) are in
+`tl_connwalk.attribution.layerwise` and `tl_connwalk.attribution.mixing`. None is complete:
+a baseline's ``bias`` is what it leaves unexplained, ``y - sum_s s_s``.
 """
 
 from collections.abc import Callable
