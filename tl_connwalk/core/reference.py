@@ -85,6 +85,13 @@ def bias(pattern: Tensor, b_V: Tensor, W_O: Tensor, b_O: Tensor) -> Tensor:
     return sum(mass[:, h, :, None] * (bV[h] @ O[h]) for h in range(A.shape[1])) + bO
 
 
+def messages(field: Tensor, W_V: Tensor, b_V: Tensor, W_O: Tensor) -> Tensor:
+    """Each head's message ``m^h_j = (x_j W_V^h + b_V^h) W_O^h``, ``[batch, key, head, d]``:
+    the attention output is ``sum_h sum_j A^h_ij m^h_j + b_O`` (spec §1.2)."""
+    X, V, bV, O = _f64(field, W_V, b_V, W_O)
+    return torch.stack([(X @ V[h] + bV[h]) @ O[h] for h in range(V.shape[0])], dim=2)
+
+
 def generator(pattern: Tensor, W_V: Tensor, W_O: Tensor) -> Tensor:
     """``L = I - P`` as a matrix ``G`` with ``vec(X) @ G = vec(L X)`` (spec §1), the blocks
     ``G[(j, .), (i, .)] = delta_ij I - W_ij T_ij``: ``[batch, n d_model, n d_model]``."""
@@ -227,19 +234,24 @@ def layer_drift(walk_a: Tensor, walk_b: Tensor, exclude_sink: bool = False) -> T
 # spec §3: isometry defects -------------------------------------------------------------------
 
 
+def _spread(values: Tensor) -> Tensor:
+    """``sqrt(sum (v - mean v)^2 / sum v^2)`` along the last axis; 0 for all zeros."""
+    spread = ((values - values.mean(-1, keepdim=True)) ** 2).sum(-1)
+    size = (values**2).sum(-1)
+    return torch.where(size > 0, (spread / size.clamp_min(1e-300)).sqrt(), 0.0)
+
+
 def isometry_defect(T: Tensor, rank: int) -> Tensor:
     """``delta = sqrt(1 - (sum sigma)^2 / (r sum sigma^2))`` over the top ``r`` singular values
-    of each map ``T`` ``[..., d, d']`` (spec §3); the zero map gives 0."""
-    s = torch.linalg.svdvals(_f64(T)[0])[..., :rank]
-    ratio = s.sum(-1) ** 2 / (rank * (s**2).sum(-1)).clamp_min(1e-300)
-    return torch.where(s.amax(-1) > 0, (1 - ratio).clamp_min(0.0).sqrt(), 0.0)
+    of each map ``T`` ``[..., d, d']`` (spec §3), as the relative distance it is:
+    ``sqrt(sum (sigma - s)^2 / sum sigma^2)``, ``s`` their mean. The zero map gives 0."""
+    return _spread(torch.linalg.svdvals(_f64(T)[0])[..., :rank])
 
 
 def gram_defect(T: Tensor, rank: int) -> Tensor:
-    """``eps = sqrt(1 - (sum sigma^2)^2 / (r sum sigma^4))``, top ``r`` values (spec §3)."""
-    s = torch.linalg.svdvals(_f64(T)[0])[..., :rank]
-    ratio = (s**2).sum(-1) ** 2 / (rank * (s**4).sum(-1)).clamp_min(1e-300)
-    return torch.where(s.amax(-1) > 0, (1 - ratio).clamp_min(0.0).sqrt(), 0.0)
+    """``eps = sqrt(1 - (sum sigma^2)^2 / (r sum sigma^4))``, top ``r`` values (spec §3), as
+    ``sqrt(sum (sigma^2 - mean sigma^2)^2 / sum sigma^4)``."""
+    return _spread(torch.linalg.svdvals(_f64(T)[0])[..., :rank] ** 2)
 
 
 def transport_rank(W_V: Tensor, kv_heads: Sequence[int] | None = None) -> int:
@@ -334,6 +346,23 @@ def pairing(
     return torch.where(applicable, mean, 0.0), applicable
 
 
+def message_ratios(field: Tensor, gates: Tensor, W_V: Tensor, W_O: Tensor) -> Tensor:
+    """``rho_ij = ||x_j T_ij|| / ||x_j||`` on every pair, 0 where ``x_j = 0`` (spec §3)."""
+    (X,) = _f64(field)
+    T = effective_transports(gates, W_V, W_O)
+    norms = torch.linalg.vector_norm(X, dim=-1)  # [batch, key]
+    messages = torch.linalg.vector_norm(einsum(X, T, "b j d, b i j d e -> b i j e"), dim=-1)
+    return torch.where(norms[:, None, :] > 0, messages / norms[:, None, :].clamp_min(1e-300), 0.0)
+
+
+def _senders(field: Tensor, shape: torch.Size, keep: Tensor | None) -> Tensor | None:
+    """The kept edges whose key sends a message (``x_j != 0``), None when that is all."""
+    sends = (torch.linalg.vector_norm(_f64(field)[0], dim=-1) > 0)[:, None, :].expand(shape)
+    if keep is None and bool(sends.all()):
+        return None
+    return sends if keep is None else keep.cpu() & sends
+
+
 def field_defect(
     field: Tensor,
     walk: Tensor,
@@ -343,17 +372,10 @@ def field_defect(
     keep: Tensor | None = None,
     exclude_sink: bool = False,
 ) -> Tensor:
-    """The field isometry defect (spec §3): walk-weighted CV of ``||x_j T_ij|| / ||x_j||``
-    over the edges whose key sends a message (``x_j != 0``; rows renormalised over them)."""
-    (X,) = _f64(field)
-    T = effective_transports(gates, W_V, W_O)
-    norms = torch.linalg.vector_norm(X, dim=-1)  # [batch, key]
-    messages = torch.linalg.vector_norm(einsum(X, T, "b j d, b i j d e -> b i j e"), dim=-1)
-    rho = messages / norms[:, None, :].clamp_min(1e-300)
-    sends = (norms > 0)[:, None, :].expand(walk.shape)
-    if keep is not None or not bool(sends.all()):
-        keep = sends if keep is None else keep.cpu() & sends
-    return walk_weighted_cv(walk, rho, keep, exclude_sink)
+    """The field isometry defect (spec §3): walk-weighted CV of `message_ratios` over the
+    edges whose key sends a message (``x_j != 0``; rows renormalised over them)."""
+    rho = message_ratios(field, gates, W_V, W_O)
+    return walk_weighted_cv(walk, rho, _senders(field, walk.shape, keep), exclude_sink)
 
 
 def head_field_defects(
@@ -370,9 +392,7 @@ def head_field_defects(
     W, g, X = _f64(walk, gates, field)
     T = head_transports(W_V, W_O)
     norms = torch.linalg.vector_norm(X, dim=-1)
-    sends = (norms > 0)[:, None, :].expand(W.shape)
-    if keep is not None or not bool(sends.all()):
-        keep = sends if keep is None else keep.cpu() & sends
+    keep = _senders(field, W.shape, keep)
     out = torch.zeros(W.shape[0], g.shape[1], dtype=F64)
     for h in range(g.shape[1]):
         A = g.shape[1] * W * g[:, h]
