@@ -113,6 +113,7 @@ def _problems() -> list[Case]:
 
 
 PROBLEMS = _problems()
+CASES = {case.name: case for case in PROBLEMS}
 
 
 # the pieces every row reads: the fast split of the pattern, and the reference's own
@@ -131,7 +132,12 @@ def rW(c: Case) -> Tensor:
 
 
 def rg(c: Case) -> Tensor:
-    return ref.gates(c.p.pattern)
+    return _ref_gates(c.name)
+
+
+@functools.cache
+def _ref_gates(name: str) -> Tensor:
+    return ref.gates(CASES[name].p.pattern)
 
 
 def VO(c: Case) -> tuple[Tensor, Tensor]:
@@ -156,13 +162,13 @@ def conn_walk(c: Case) -> ConnectionWalk:
 @functools.cache
 def residual(name: str) -> Any:
     """`laplacian_residual` of a problem's walk, with the nearest operator, computed once."""
-    c = next(case for case in PROBLEMS if case.name == name)
+    c = CASES[name]
     return conn_walk(c).laplacian_residual(baseline_draws=DRAWS, seed=SEED, exact=True)
 
 
 @functools.cache
 def residual_of_heaviest(name: str) -> Any:
-    c = next(case for case in PROBLEMS if case.name == name)
+    c = CASES[name]
     return conn_walk(c).laplacian_residual(baseline_draws=DRAWS, seed=SEED, mass_share=0.7)
 
 
@@ -183,6 +189,12 @@ def head_grams(c: Case) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def fast_baselines(c: Case) -> dict[str, isometry.RandomBaseline]:
+    return _fast_baselines(c.name)
+
+
+@functools.cache
+def _fast_baselines(name: str) -> dict[str, isometry.RandomBaseline]:
+    c = CASES[name]
     p = c.p
     measures = {
         "head": isometry.head_transport_defects,
@@ -196,6 +208,20 @@ def fast_baselines(c: Case) -> dict[str, isometry.RandomBaseline]:
 
 def ref_baseline(c: Case, measure: Callable[[Tensor, Tensor], Tensor]) -> tuple[Tensor, Tensor]:
     return ref.random_baseline(measure, *VO(c), DRAWS, seed=SEED, kv_heads=c.kv_heads)
+
+
+@functools.cache
+def _ref_baselines(name: str) -> dict[str, tuple[Tensor, Tensor]]:
+    c = CASES[name]
+    return {
+        "head": ref_baseline(c, ref.head_defects),
+        "effective": ref_baseline(c, lambda V, O: ref_effective(c, V, O)),
+        "field": ref_baseline(c, lambda V, O: ref_field(c, V, O)),
+    }
+
+
+def ref_baselines(c: Case) -> dict[str, tuple[Tensor, Tensor]]:
+    return _ref_baselines(c.name)
 
 
 def ref_effective(c: Case, V: Tensor, O: Tensor) -> Tensor:
@@ -384,14 +410,14 @@ MEASUREMENTS: list[Row] = [
      lambda c: ref.nearest_operator_distance(rW(c), rg(c), *VO(c), c.p.mu, ref_scale(c)), "sum"),
     # spec §3: random baselines, the same draws for one seed
     ("random_baselines head", lambda c: fast_baselines(c)["head"],
-     lambda c: ref_baseline(c, ref.head_defects), "unit"),
+     lambda c: ref_baselines(c)["head"], "unit"),
     ("random_baselines effective", lambda c: fast_baselines(c)["effective"],
-     lambda c: ref_baseline(c, lambda V, O: ref_effective(c, V, O)), "cancel"),
+     lambda c: ref_baselines(c)["effective"], "cancel"),
     ("random_baselines field", lambda c: fast_baselines(c)["field"],
-     lambda c: ref_baseline(c, lambda V, O: ref_field(c, V, O)), "cancel"),
+     lambda c: ref_baselines(c)["field"], "cancel"),
     ("layer_draws", lambda c: draws.layer_draws(
         *VO(c), DRAWS, SEED, kv_heads=c.kv_heads).head_defects.mean(0),
-     lambda c: ref_baseline(c, ref.head_defects)[0], "unit"),
+     lambda c: ref_baselines(c)["head"][0], "unit"),
     # spec §4: laplacian_residual, the whole layer at once
     ("residual stochasticity", lambda c: residual(c.name).stochasticity,
      lambda c: ref.stochasticity(rW(c)), "unit"),
@@ -413,10 +439,10 @@ MEASUREMENTS: list[Row] = [
      lambda c: ref.nearest_operator_distance(
          rW(c), rg(c), *VO(c), ref_mu(c), ref_scale(c)), "sum"),
     ("residual baseline head_defects", lambda c: residual(c.name).baseline["head_defects"],
-     lambda c: ref_baseline(c, ref.head_defects), "unit"),
+     lambda c: ref_baselines(c)["head"], "unit"),
     ("residual baseline transport_defect",
      lambda c: residual(c.name).baseline["transport_defect"],
-     lambda c: ref_baseline(c, lambda V, O: ref_effective(c, V, O)), "cancel"),
+     lambda c: ref_baselines(c)["effective"], "cancel"),
     ("residual mass_share", lambda c: residual_of_heaviest(c.name).transport_defect,
      lambda c: ref.effective_defect(
          rW(c), rg(c), *VO(c), c.kv_heads, keep=ref.heaviest_edges(rW(c), 0.7)), "cancel"),
@@ -455,3 +481,121 @@ def check(actual: Any, expected: Any, tolerance: str, dtype: torch.dtype) -> Non
 def test_fast_matches_reference(row: Row, case: Case) -> None:
     _, fast, reference, tolerance = row
     check(fast(case), reference(case), tolerance, case.dtype)
+
+
+def test_the_hand_built_cases_are_exact_in_the_reference() -> None:
+    """The reference itself on the exact cases: zero defects, a reversible, paired walk."""
+    for dtype in (F64, F32):
+        c = CASES["orthogonal" if dtype == F64 else "orthogonal-f32"]
+        zero = [
+            ref.head_defects(*VO(c)),
+            ref.effective_defect(rW(c), rg(c), *VO(c)),
+            ref.field_defect(c.p.field, rW(c), rg(c), *VO(c)),
+            ref.edge_defects(rg(c), *VO(c), rank(c), "frobenius"),
+        ]
+        for value in zero:
+            assert value.abs().max() <= atol(dtype)
+        assert_close(ref_scale(c), torch.full((2,), ORTHOGONAL_SCALE, dtype=F64), dtype)
+        c = CASES["symmetric" if dtype == F64 else "symmetric-f32"]
+        assert ref.reversibility(rW(c), c.p.mu).abs().max() <= atol(dtype)
+        residual, applicable = ref.pairing(rW(c), rg(c), *VO(c))
+        assert applicable.all() and residual.abs().max() <= atol(dtype)
+        assert_close(ref.reversibilised_walk(rW(c), c.p.mu), rW(c), dtype)
+    causal = CASES["causal"]
+    assert not ref.is_irreducible(rW(causal)).any()
+    assert not ref.pairing(rW(causal), rg(causal), *VO(causal))[1].any()
+
+
+#: Seeds of the field baseline's distribution test, and the z-score its means may differ by.
+SEEDS = 48
+Z = 4.0
+
+
+def test_the_key_route_field_baseline_has_the_reference_distribution() -> None:
+    """With fewer keys than ``d_model`` the field baseline draws ``L Y`` instead of ``X R_V``
+    (spec §3): other realisations of the same Gaussian transports. Over ``SEEDS`` seeds, the
+    mean and the spread of its draws agree with the reference's own draws to ``Z`` standard
+    errors of the difference of two means over ``SEEDS`` seeds."""
+    n_draws = 4
+    p = random_problem(batch=2, heads=2, pos=6, d_model=16, d_head=4, seed=8)
+    walk = ConnectionWalk.from_pattern(p.pattern, p.field, p.W_V, p.W_O)
+    factor = draws.key_factor(p.field, n_draws, width=2 * 4)
+    assert factor is not None and factor[1].all()  # every sequence takes the keys' route
+    fast, slow = [], []
+    for seed in range(SEEDS):
+        base = walk.laplacian_residual(baseline_draws=n_draws, seed=seed).baseline
+        fast.append(torch.stack([base["field_defect"].mean, base["field_defect"].std]))
+        field = lambda V, O: ref.field_defect(p.field, walk.walk, walk.gates, V, O)  # noqa: E731
+        slow.append(torch.stack(ref.random_baseline(field, p.W_V, p.W_O, n_draws, seed)))
+    fast_t, slow_t = torch.stack(fast).double(), torch.stack(slow)  # [seed, mean/std, batch]
+    error = ((fast_t.var(0) + slow_t.var(0)) / SEEDS).sqrt()
+    gap = (fast_t.mean(0) - slow_t.mean(0)).abs()
+    assert (gap <= Z * error).all(), (gap / error)
+    # the fast route is not the reference's draws themselves: other realisations
+    assert not torch.allclose(fast_t, slow_t)
+
+
+ADAPTED = ["gpt2_ln", "llama_gqa_rotary"]
+
+
+def _cache_case(model: Any, cache: Any, layer: int) -> Case:
+    """The reference's inputs read off the cache and weights as spec §0 defines them."""
+    norm = model.blocks[layer].ln1
+    field = cache[f"blocks.{layer}.ln1.hook_normalized"] * norm.w
+    if hasattr(norm, "b"):
+        field = field + norm.b
+    cfg = model.cfg
+    kv = cfg.n_key_value_heads
+    weights = (model.W_V[layer], model.W_O[layer], model.b_V[layer], model.b_O[layer])
+    pattern = cache["pattern", layer]
+    mu = torch.rand(pattern.shape[0], pattern.shape[-1], generator=torch.Generator().manual_seed(2))
+    p = Problem(pattern, field, weights[0], weights[1], weights[2], weights[3], mu + 0.1)
+    kv_heads = None if kv is None else grouped_value_heads(cfg.n_heads, kv)
+    return Case("cache", p, cache["pattern", layer - 1], kv_heads)
+
+
+@hooked_only
+@pytest.mark.parametrize("arch", ADAPTED)
+def test_adapter_numbers_match_the_reference(arch: str) -> None:
+    """``cache.connection_walk`` and the measurements on it against the reference computed
+    from the cache's own tensors (pattern, normalised field, weights)."""
+    model = build(arch)
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens())
+    walk = tl_connwalk.connection_walk(cache, 1)
+    c = _cache_case(model, cache, 1)
+    res = walk.laplacian_residual(baseline_draws=DRAWS, seed=SEED, exact=True)
+    output = ref.apply(c.p.pattern, c.p.field, *VO(c)) + ref.bias(
+        c.p.pattern, c.p.b_V, c.p.W_O, c.p.b_O
+    )
+    rows = [
+        (walk.walk, rW(c), "sum"),
+        (walk.gates, ref.gates(c.p.pattern), "sum"),
+        (walk.apply() + walk.bias(), output, "sum"),
+        (cache["blocks.1.hook_attn_out"], output, "sum"),  # TransformerLens's own output
+        (res.stochasticity, ref.stochasticity(rW(c)), "unit"),
+        (res.reversibility, ref.reversibility(rW(c), ref_mu(c)), "unit"),
+        (res.mu, ref_mu(c), "sum"),
+        (res.transport_defect, ref.effective_defect(rW(c), ref.gates(c.p.pattern), *VO(c),
+                                                    c.kv_heads), "cancel"),
+        (res.scale, ref.common_scale(rW(c), ref.gates(c.p.pattern), *VO(c), c.kv_heads), "sum"),
+        (res.pairing_applicable, ref.pairing(rW(c), ref.gates(c.p.pattern), *VO(c))[1], "exact"),
+        (res.head_defects, ref.head_defects(*VO(c)), "unit"),
+        (res.field_defect, ref.field_defect(c.p.field, rW(c), ref.gates(c.p.pattern), *VO(c)),
+         "cancel"),
+        (res.head_field_defects,
+         ref.head_field_defects(c.p.field, rW(c), ref.gates(c.p.pattern), *VO(c)), "cancel"),
+        (res.baseline["head_defects"],
+         ref.random_baseline(ref.head_defects, *VO(c), DRAWS, SEED, c.kv_heads), "unit"),
+        (walk.isometry_defects(), on_walk(c, ref.edge_defects(
+            ref.gates(c.p.pattern), *VO(c), rank(c))), "cancel"),
+        (tl_connwalk.layer_drift(cache)[:, 0],
+         ref.layer_drift(ref.walk(cache["pattern", 0]), rW(c)), "unit"),
+    ]  # fmt: skip
+    scale = ref.common_scale(rW(c), ref.gates(c.p.pattern), *VO(c), c.kv_heads)
+    distance = ref.nearest_operator_distance(
+        rW(c), ref.gates(c.p.pattern), *VO(c), ref_mu(c), scale
+    )
+    rows.append((res.nearest_operator.distance, distance, "sum"))
+    for actual, expected, tolerance in rows:
+        check(actual, expected, tolerance, torch.float32)
