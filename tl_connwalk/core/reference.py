@@ -318,6 +318,22 @@ def heaviest_edges(walk: Tensor, mass_share: float) -> Tensor:
     return keep
 
 
+def edge_pairing(gates: Tensor, W_V: Tensor, W_O: Tensor) -> Tensor:
+    """``||T_ji - T_ij^T||_F / ||T_ij||_F`` on every pair (by ``||T_ji||_F`` where
+    ``T_ij = 0``; 0 where both are) (spec §3)."""
+    T = effective_transports(gates, W_V, W_O)
+    batch, n = T.shape[:2]
+    residual = torch.zeros(batch, n, n, dtype=F64)
+    for b in range(batch):
+        for i in range(n):
+            for j in range(n):
+                gap = torch.linalg.matrix_norm(T[b, j, i] - T[b, i, j].T)
+                norm = torch.linalg.matrix_norm(T[b, i, j])
+                norm = norm if norm > 0 else torch.linalg.matrix_norm(T[b, j, i])
+                residual[b, i, j] = gap / norm if norm > 0 else 0.0
+    return residual
+
+
 def pairing(
     walk: Tensor,
     gates: Tensor,
@@ -326,23 +342,15 @@ def pairing(
     keep: Tensor | None = None,
     exclude_sink: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """The pairing residual ``||T_ji - T_ij^T||_F / ||T_ij||_F`` (by ``||T_ji||_F`` where
-    ``T_ij = 0``; 0 where both are), walk-weighted over the edges present both ways, diagonal
-    included, rows renormalised over them (spec §3); and whether any off-diagonal pair is
-    present both ways (False: a causal walk, residual 0)."""
+    """The pairing residual (spec §3): `edge_pairing` walk-weighted over the edges present
+    both ways (diagonal included; rows renormalised over them), and whether any off-diagonal
+    pair is present both ways (False: a causal walk, whose residual is then 0)."""
     (W,) = _f64(walk)
-    T = effective_transports(gates, W_V, W_O)
     both = (W > 0) & (W > 0).mT
     if keep is not None:
         both = both & keep.cpu()
-    n = W.shape[-1]
-    residual = torch.zeros(W.shape, dtype=F64)
-    for b, i, j in both.nonzero().tolist():
-        gap = torch.linalg.matrix_norm(T[b, j, i] - T[b, i, j].T)
-        norm = torch.linalg.matrix_norm(T[b, i, j]) or torch.linalg.matrix_norm(T[b, j, i])
-        residual[b, i, j] = gap / norm if norm > 0 else 0.0
-    applicable = (both & ~torch.eye(n, dtype=torch.bool)).flatten(1).any(-1)
-    mean = walk_weighted_mean(W, residual, both, exclude_sink)
+    applicable = (both & ~torch.eye(W.shape[-1], dtype=torch.bool)).flatten(1).any(-1)
+    mean = walk_weighted_mean(W, edge_pairing(gates, W_V, W_O), both, exclude_sink)
     return torch.where(applicable, mean, 0.0), applicable
 
 
