@@ -468,6 +468,22 @@ def random_factors(
     return R_V, s[:, None, None] * R_O
 
 
+def random_draws(
+    measure: Callable[[Tensor, Tensor], Tensor],
+    W_V: Tensor,
+    W_O: Tensor,
+    n_draws: int,
+    seed: int = 0,
+    kv_heads: Sequence[int] | None = None,
+) -> Tensor:
+    """``measure(W_V', W_O')`` on ``n_draws`` successive `random_factors` of one generator
+    seeded with ``seed``, stacked ``[draw, ...]``."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.stack(
+        [measure(*random_factors(W_V, W_O, generator, kv_heads)) for _ in range(n_draws)]
+    )
+
+
 def random_baseline(
     measure: Callable[[Tensor, Tensor], Tensor],
     W_V: Tensor,
@@ -476,10 +492,7 @@ def random_baseline(
     seed: int = 0,
     kv_heads: Sequence[int] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The mean and the (sample) standard deviation of ``measure(W_V', W_O')`` over
-    ``n_draws`` successive `random_factors` of one generator seeded with ``seed``."""
-    generator = torch.Generator().manual_seed(seed)
-    draws = torch.stack(
-        [measure(*random_factors(W_V, W_O, generator, kv_heads)) for _ in range(n_draws)]
-    )
+    """The random baseline (spec §3): the mean and the (sample) standard deviation of
+    `random_draws`."""
+    draws = random_draws(measure, W_V, W_O, n_draws, seed, kv_heads)
     return draws.mean(0), draws.std(0)
