@@ -1,9 +1,9 @@
 """Markov-chain measurements of the walk and the pairing residual (spec §2-3), in float64.
 
 References: `tl_connwalk.core.reference` (eigenvectors from ``torch.linalg.eig``, loops over
-rows, dense per-edge transports for the pairing residual, compared at ``cancelling_atol``: its closed form takes the
-square root of a difference of nearly equal numbers, so it carries half the working
-precision).
+rows, dense per-edge transports for the pairing residual; compared at ``cancelling_atol``: the
+closed form takes the square root of a difference of nearly equal numbers, so it carries half
+the working precision).
 """
 
 import inspect
