@@ -56,11 +56,11 @@ def reference_subset(walk: Any, pattern: torch.Tensor, heads: list[int], edges: 
     """Walk-weighted eps and scale of the chosen heads' own walk on ``edges``, and the per-edge
     eps, from `tl_connwalk.core.reference` (an SVD per edge)."""
     A = pattern[:, heads]
-    W, g, V, O = ref.walk(A), ref.gates(A), walk.W_V[heads], walk.W_O[heads]
+    W, g, V, W_o = ref.walk(A), ref.gates(A), walk.W_V[heads], walk.W_O[heads]
     return (
-        ref.effective_defect(W, g, V, O, keep=edges),
-        ref.common_scale(W, g, V, O, keep=edges),
-        ref.edge_defects(g, V, O, ref.transport_rank(V)),
+        ref.effective_defect(W, g, V, W_o, keep=edges),
+        ref.common_scale(W, g, V, W_o, keep=edges),
+        ref.edge_defects(g, V, W_o, ref.transport_rank(V)),
     )
 
 

@@ -17,7 +17,7 @@ import torch
 
 from tests.core.problems import random_problem
 from tests.tolerances import assert_close, atol, cancelling_atol
-from tl_connwalk.core import draws, field_defect, head_grams
+from tl_connwalk.core import draws, head_grams
 from tl_connwalk.core import isometry as iso
 from tl_connwalk.core import reference as ref
 from tl_connwalk.errors import ConnWalkError
@@ -88,9 +88,7 @@ def test_wide_heads_draws_keep_their_output_gram_rows_within_a_budget(draw_rows,
     p = random_problem(heads=3, pos=6, d_model=10, d_head=3, seed=4, causal=True)
     res = residual_of(p, baseline_draws=3, seed=11)
     for name, base in reference_baselines(p, 3, 11).items():
-        torch.testing.assert_close(
-            res.baseline[name].draws, base, atol=ATOL[torch.float64], rtol=0
-        )
+        torch.testing.assert_close(res.baseline[name].draws, base, atol=ATOL[torch.float64], rtol=0)
     assert head_grams.head_grams(p.W_V, p.W_O).out_rows is None
     raw = draws.raw_draws(p.W_V.shape, p.W_O.shape, p.W_V.dtype, p.W_V.device, 11, 3)
     assert all((draw.out_rows is not None) == draw_rows for draw in raw.draws)

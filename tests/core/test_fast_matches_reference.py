@@ -15,7 +15,6 @@ to the reference computed from the cache's tensors (`test_adapter_numbers_match_
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -198,10 +197,10 @@ def _fast_baselines(name: str) -> dict[str, isometry.RandomBaseline]:
     p = c.p
     measures = {
         "head": isometry.head_transport_defects,
-        "effective": lambda V, O: isometry.effective_transport_defect(
-            fW(c), fg(c), V, O, kv_heads=c.kv_heads
+        "effective": lambda V, W_o: isometry.effective_transport_defect(
+            fW(c), fg(c), V, W_o, kv_heads=c.kv_heads
         ),
-        "field": lambda V, O: field_defect.field_isometry_defect(p.field, fW(c), fg(c), V, O),
+        "field": lambda V, W_o: field_defect.field_isometry_defect(p.field, fW(c), fg(c), V, W_o),
     }
     return isometry.random_baselines(measures, *VO(c), DRAWS, seed=SEED, kv_heads=c.kv_heads)
 
@@ -215,8 +214,8 @@ def _ref_baselines(name: str) -> dict[str, tuple[Tensor, Tensor]]:
     c = CASES[name]
     return {
         "head": ref_baseline(c, ref.head_defects),
-        "effective": ref_baseline(c, lambda V, O: ref_effective(c, V, O)),
-        "field": ref_baseline(c, lambda V, O: ref_field(c, V, O)),
+        "effective": ref_baseline(c, lambda V, W_o: ref_effective(c, V, W_o)),
+        "field": ref_baseline(c, lambda V, W_o: ref_field(c, V, W_o)),
     }
 
 
@@ -224,12 +223,12 @@ def ref_baselines(c: Case) -> dict[str, tuple[Tensor, Tensor]]:
     return _ref_baselines(c.name)
 
 
-def ref_effective(c: Case, V: Tensor, O: Tensor) -> Tensor:
-    return ref.effective_defect(rW(c), rg(c), V, O, c.kv_heads)
+def ref_effective(c: Case, V: Tensor, W_o: Tensor) -> Tensor:
+    return ref.effective_defect(rW(c), rg(c), V, W_o, c.kv_heads)
 
 
-def ref_field(c: Case, V: Tensor, O: Tensor) -> Tensor:
-    return ref.field_defect(c.p.field, rW(c), rg(c), V, O)
+def ref_field(c: Case, V: Tensor, W_o: Tensor) -> Tensor:
+    return ref.field_defect(c.p.field, rW(c), rg(c), V, W_o)
 
 
 def ref_mu(c: Case) -> Tensor:
@@ -244,16 +243,16 @@ def ref_head_ratios(c: Case) -> Tensor:
     """``rho^h_j = ||x_j T^h|| / ||x_j||`` (0 where ``x_j = 0``), ``[batch, key, head]``."""
     X = c.p.field.double()
     norms = torch.linalg.vector_norm(X, dim=-1)[..., None]
-    sent = torch.linalg.vector_norm(torch.einsum("bjd,hde->bjhe", X, ref.head_transports(*VO(c))), dim=-1)
+    sent = torch.linalg.vector_norm(
+        torch.einsum("bjd,hde->bjhe", X, ref.head_transports(*VO(c))), dim=-1
+    )
     return torch.where(norms > 0, sent / norms.clamp_min(1e-300), 0.0)
 
 
 def well_conditioned(c: Case) -> Tensor:
     """``I + 0.3 T^0 / ||T^0||_2``: singular values in [0.7, 1.3], a unique polar factor."""
     T = ref.head_transports(*VO(c))[0]
-    return (torch.eye(T.shape[0], dtype=F64) + 0.3 * T / torch.linalg.matrix_norm(T, 2)).to(
-        c.dtype
-    )
+    return (torch.eye(T.shape[0], dtype=F64) + 0.3 * T / torch.linalg.matrix_norm(T, 2)).to(c.dtype)
 
 
 def values(c: Case) -> Tensor:
@@ -315,10 +314,16 @@ MEASUREMENTS: list[Row] = [
      lambda c: ref.layer_drift(rW(c), ref.walk(c.next_pattern), exclude_sink=True), "unit"),
     ("pairing", lambda c: markov.pairing_residual(fW(c), fg(c), *VO(c)).residual,
      lambda c: ref.pairing(rW(c), rg(c), *VO(c))[0], "cancel"),
-    ("pairing sink", lambda c: markov.pairing_residual(fW(c), fg(c), *VO(c), exclude_sink=True).residual,
+    ("pairing sink",
+     lambda c: markov.pairing_residual(fW(c), fg(c), *VO(c), exclude_sink=True).residual,
      lambda c: ref.pairing(rW(c), rg(c), *VO(c), exclude_sink=True)[0], "cancel"),
     ("pairing applicable", lambda c: markov.pairing_residual(fW(c), fg(c), *VO(c)).applicable,
      lambda c: ref.pairing(rW(c), rg(c), *VO(c))[1], "exact"),
+    ("edge_pairing_residuals", lambda c: torch.where(
+        (fW(c) > 0) & (fW(c) > 0).mT, markov.edge_pairing_residuals(
+            fg(c), isometry.head_gram(*VO(c)), isometry.head_mixed_gram(*VO(c))), 0.0),
+     lambda c: torch.where((rW(c) > 0) & (rW(c) > 0).mT, ref.edge_pairing(rg(c), *VO(c)), 0.0),
+     "cancel"),
     # spec §3: summaries
     ("walk_weighted_mean", lambda c: isometry.walk_weighted_mean(fW(c), values(c)),
      lambda c: ref.walk_weighted_mean(rW(c), values(c)), "sum"),
@@ -525,12 +530,12 @@ def test_the_key_route_field_baseline_has_the_reference_distribution() -> None:
     for seed in range(SEEDS):
         base = walk.laplacian_residual(baseline_draws=n_draws, seed=seed).baseline
         fast.append(torch.stack([base["field_defect"].mean, base["field_defect"].std]))
-        field = lambda V, O: ref.field_defect(p.field, walk.walk, walk.gates, V, O)  # noqa: E731
+        field = lambda V, W_o: ref.field_defect(p.field, walk.walk, walk.gates, V, W_o)  # noqa: E731
         slow.append(torch.stack(ref.random_baseline(field, p.W_V, p.W_O, n_draws, seed)))
     fast_t, slow_t = torch.stack(fast).double(), torch.stack(slow)  # [seed, mean/std, batch]
     error = ((fast_t.var(0) + slow_t.var(0)) / SEEDS).sqrt()
     gap = (fast_t.mean(0) - slow_t.mean(0)).abs()
-    assert (gap <= Z * error).all(), (gap / error)
+    assert (gap <= Z * error).all(), gap / error
     # the fast route is not the reference's draws themselves: other realisations
     assert not torch.allclose(fast_t, slow_t)
 

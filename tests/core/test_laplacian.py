@@ -108,7 +108,9 @@ def test_empty_rows_stay_empty():
     assert_close(reversed_walk.sum(-1)[0, [0, 1, 3]], torch.ones(3, dtype=F64))
     assert_close(reversed_walk[0, 3, 3], torch.tensor(0.0, dtype=F64))
     result = lap.nearest_connection_operator_distance(walk, gates, W_V, W_O, mu, 1.5)
-    expected = ref.nearest_operator_distance(walk, gates, W_V, W_O, mu, torch.tensor([1.5], dtype=F64))
+    expected = ref.nearest_operator_distance(
+        walk, gates, W_V, W_O, mu, torch.tensor([1.5], dtype=F64)
+    )
     torch.testing.assert_close(result.distance, expected, rtol=0, atol=dense_atol(gates, W_V, W_O))
     # edges: W > 0 or W* > 0; row and column 2 have neither
     assert result.n_edges == (9,)

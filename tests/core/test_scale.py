@@ -85,7 +85,9 @@ def test_laplacian_residual_mass_share(exclude_sink):
     if exclude_sink:
         considered[:, :, 0] = 0.0
     keep = ref.heaviest_edges(considered, 0.8)
-    expected = ref.effective_defect(problem.walk, problem.gates, problem.W_V, problem.W_O, keep=keep)
+    expected = ref.effective_defect(
+        problem.walk, problem.gates, problem.W_V, problem.W_O, keep=keep
+    )
     torch.testing.assert_close(part.transport_defect, expected, rtol=0, atol=CLOSED_FORM_ATOL)
     covered = torch.where(keep, considered, 0.0).sum((1, 2)) / considered.sum((1, 2))
     torch.testing.assert_close(part.mass_covered, covered)

@@ -10,7 +10,6 @@ import math
 
 import pytest
 import torch
-from einops import einsum
 
 from tests.core.problems import F64, random_problem
 from tl_connwalk.core import draws, value_heads
@@ -192,10 +191,10 @@ def own_baseline(shared: bool = True) -> dict[str, torch.Tensor]:
     kv = list(value_heads.grouped_value_heads(GROUPED["n_heads"], GROUPED["n_value"]))
     kv_heads = kv if shared else None
 
-    def measure(V, O):
+    def measure(V, W_o):
         return torch.stack([
-            ref.effective_defect(p.walk, p.gates, V, O, kv_heads),
-            ref.field_defect(p.field, p.walk, p.gates, V, O),
+            ref.effective_defect(p.walk, p.gates, V, W_o, kv_heads),
+            ref.field_defect(p.field, p.walk, p.gates, V, W_o),
         ])  # fmt: skip
 
     drawn = ref.random_draws(measure, W_V[kv], p.W_O, 256, 11, kv_heads)

@@ -55,8 +55,8 @@ def gates(pattern: Tensor) -> Tensor:
 
 def head_transports(W_V: Tensor, W_O: Tensor) -> Tensor:
     """``T^h = W_V^h W_O^h`` (spec §1.1), dense ``[head, d_model, d_model]``."""
-    V, O = _f64(W_V, W_O)
-    return torch.stack([V[h] @ O[h] for h in range(V.shape[0])])
+    V, Wo = _f64(W_V, W_O)
+    return torch.stack([V[h] @ Wo[h] for h in range(V.shape[0])])
 
 
 def effective_transports(gates: Tensor, W_V: Tensor, W_O: Tensor) -> Tensor:
@@ -80,16 +80,16 @@ def apply(pattern: Tensor, field: Tensor, W_V: Tensor, W_O: Tensor) -> Tensor:
 
 def bias(pattern: Tensor, b_V: Tensor, W_O: Tensor, b_O: Tensor) -> Tensor:
     """``c_i = sum_h (sum_j A^h_ij) b_V^h W_O^h + b_O`` (spec §1.2)."""
-    A, bV, O, bO = _f64(pattern, b_V, W_O, b_O)
+    A, bV, Wo, bO = _f64(pattern, b_V, W_O, b_O)
     mass = A.sum(-1)  # [batch, head, query]
-    return sum(mass[:, h, :, None] * (bV[h] @ O[h]) for h in range(A.shape[1])) + bO
+    return sum(mass[:, h, :, None] * (bV[h] @ Wo[h]) for h in range(A.shape[1])) + bO
 
 
 def messages(field: Tensor, W_V: Tensor, b_V: Tensor, W_O: Tensor) -> Tensor:
     """Each head's message ``m^h_j = (x_j W_V^h + b_V^h) W_O^h``, ``[batch, key, head, d]``:
     the attention output is ``sum_h sum_j A^h_ij m^h_j + b_O`` (spec §1.2)."""
-    X, V, bV, O = _f64(field, W_V, b_V, W_O)
-    return torch.stack([(X @ V[h] + bV[h]) @ O[h] for h in range(V.shape[0])], dim=2)
+    X, V, bV, Wo = _f64(field, W_V, b_V, W_O)
+    return torch.stack([(X @ V[h] + bV[h]) @ Wo[h] for h in range(V.shape[0])], dim=2)
 
 
 def generator(pattern: Tensor, W_V: Tensor, W_O: Tensor) -> Tensor:
@@ -266,9 +266,7 @@ def head_defects(W_V: Tensor, W_O: Tensor) -> Tensor:
     return isometry_defect(head_transports(W_V, W_O), min(W_V.shape[1:]))
 
 
-def edge_defects(
-    gates: Tensor, W_V: Tensor, W_O: Tensor, rank: int, kind: str = "gram"
-) -> Tensor:
+def edge_defects(gates: Tensor, W_V: Tensor, W_O: Tensor, rank: int, kind: str = "gram") -> Tensor:
     """``eps(T_ij)`` (``kind="gram"``) or ``delta(T_ij)`` (``"frobenius"``) on every pair."""
     defect = gram_defect if kind == "gram" else isometry_defect
     return defect(effective_transports(gates, W_V, W_O), rank)
