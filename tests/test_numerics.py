@@ -20,12 +20,12 @@ The conventions tested here (each documented in the module named):
   out and the summary is the mean over the rows that keep mass; with no such row at all
   (length 1) it is 0 (``walk_weighted_mean``).
 
-Every reference here is independent of the code under test: per-edge transports are built
-densely in float64 from the patterns and ``W_V^h W_O^h`` and decomposed by an SVD, and the
-walk-weighted means are written out as loops. Tolerances: ``tests/tolerances.py``, from the
-dtype and the length of the sums; closed-form defects against the SVD reference to
-``cancelling_atol`` (the closed form and the reference both take ``sqrt(1 - x)`` with
-``x ~ 1`` near 0, which keeps half of the working precision's digits).
+Every reference here is independent of the code under test: `tl_connwalk.core.reference`
+builds the per-edge transports densely in float64 from the patterns and ``W_V^h W_O^h`` and
+decomposes them by an SVD, and the field defect's weights are written out as a loop.
+Tolerances: ``tests/tolerances.py``, from the dtype and the length of the sums; closed-form
+defects against the SVD reference to ``cancelling_atol`` (the closed form takes
+``sqrt(1 - x)`` with ``x ~ 1`` near 0, which keeps half of the working precision's digits).
 """
 
 import math
@@ -40,61 +40,10 @@ from tests.architectures import build, hooked_only, tokens
 from tests.tolerances import assert_close, atol, cancelling_atol, rtol
 from tl_connwalk import ConnectionWalk
 from tl_connwalk.core import markov
+from tl_connwalk.core import reference as ref
 
 #: Closed-form defects (float32 models; float64 cases held to the same) against the SVD.
 DEFECT_ATOL = cancelling_atol(torch.float32)
-
-
-# ---------------------------------------------------------------- independent references
-
-
-def dense_edge_transports(pattern: torch.Tensor, W_V: torch.Tensor, W_O: torch.Tensor):
-    """float64 ``T_ij = (sum_h A^h_ij W_V^h W_O^h) / W_ij`` on edges, 0 elsewhere; and ``W``."""
-    pattern, W_V, W_O = (t.detach().to(torch.float64) for t in (pattern, W_V, W_O))
-    heads = einsum(W_V, W_O, "head d_model d_head, head d_head out -> head d_model out")
-    weighted = einsum(pattern, heads, "b head q k, head d_model out -> b q k d_model out")
-    walk = pattern.mean(1)
-    safe = torch.where(walk > 0, walk, torch.ones_like(walk))
-    return weighted / safe[..., None, None], walk
-
-
-def eps_reference(T: torch.Tensor, rank: int) -> torch.Tensor:
-    """``sqrt(1 - (sum sigma^2)^2 / (r sum sigma^4))`` over the top ``r`` values (0 for T = 0)."""
-    sigma = torch.linalg.svdvals(T)[..., :rank]
-    s2, s4 = (sigma**2).sum(-1), (sigma**4).sum(-1)
-    ratio = torch.where(s4 > 0, s2**2 / (rank * torch.where(s4 > 0, s4, 1.0)), 1.0)
-    return (1 - ratio).clamp_min(0).sqrt()
-
-
-def delta_reference(sigma: torch.Tensor) -> torch.Tensor:
-    """``sqrt(1 - (sum sigma)^2 / (r sum sigma^2))`` over all given values (0 for zeros)."""
-    r = sigma.shape[-1]
-    s1, s2 = sigma.sum(-1), (sigma**2).sum(-1)
-    ratio = torch.where(s2 > 0, s1**2 / (r * torch.where(s2 > 0, s2, 1.0)), 1.0)
-    return (1 - ratio).clamp_min(0).sqrt()
-
-
-def weighted_mean_reference(walk: torch.Tensor, values: torch.Tensor, exclude_sink: bool):
-    """Per batch: the mean over rows with mass of ``sum_j p_ij v_ij``, ``p`` the row's weights.
-
-    Without ``exclude_sink`` a row's weights are ``W_ij`` (stochastic rows); with it key 0 is
-    dropped and the rest renormalised. No row with mass: 0.
-    """
-    out = []
-    for b in range(walk.shape[0]):
-        rows = []
-        for i in range(walk.shape[1]):
-            weights = walk[b, i].double().clone()
-            if exclude_sink:
-                weights[0] = 0
-                if weights.sum() == 0:
-                    continue
-                weights = weights / weights.sum()
-            elif weights.sum() == 0:
-                continue
-            rows.append(float((weights * values[b, i].double()).sum()))
-        out.append(sum(rows) / len(rows) if rows else 0.0)
-    return torch.tensor(out, dtype=torch.float64)
 
 
 def non_finite(record: object, path: str = "") -> list[str]:
@@ -153,9 +102,9 @@ def test_all_zero_head_has_defined_values(weight):
     assert (res.baseline["head_defects"].draws[:, 1] == 0).all()
     # the layer's defect still equals the SVD of every dense edge transport
     pattern = cache["blocks.0.attn.hook_pattern"]
-    T, W = dense_edge_transports(pattern, model.W_V[0], model.W_O[0])
-    rank = min(model.cfg.d_model, model.cfg.n_heads * model.cfg.d_head)
-    expected = weighted_mean_reference(W, eps_reference(T, rank), exclude_sink=False)
+    expected = ref.effective_defect(
+        ref.walk(pattern), ref.gates(pattern), model.W_V[0], model.W_O[0]
+    )
     torch.testing.assert_close(res.transport_defect.double(), expected, atol=DEFECT_ATOL, rtol=0)
     assert_table_defined(tl_connwalk.geometry_table(cache, baseline_draws=2, progress=False))
 
@@ -223,7 +172,7 @@ def test_rows_without_mass_do_not_dilute_walk_weighted_summaries():
 
     A row without mass has no edge; counting it in the ``1/n`` of a walk-weighted mean would
     make a padded batch element read as more isometric than the same text unpadded.
-    Reference: :func:`weighted_mean_reference` over the SVD defects of the dense transports.
+    Reference: `tl_connwalk.core.reference.effective_defect` (an SVD per dense transport).
     """
     pattern, field, W_V, W_O = random_operands()
     big, big_field = padded(pattern, field, n_pad=2)
@@ -233,8 +182,7 @@ def test_rows_without_mass_do_not_dilute_walk_weighted_summaries():
     pad = ConnectionWalk.from_pattern(big, big_field, W_V, W_O).laplacian_residual(
         baseline_draws=2, mu="uniform"
     )
-    T, W = dense_edge_transports(big, W_V, W_O)
-    expected = weighted_mean_reference(W, eps_reference(T, min(8, 3 * 2)), exclude_sink=False)
+    expected = ref.effective_defect(ref.walk(big), ref.gates(big), W_V, W_O)
     torch.testing.assert_close(pad.transport_defect.double(), expected, atol=DEFECT_ATOL, rtol=0)
     for name in ("transport_defect", "scale", "field_defect", "head_field_defects"):
         assert_close(getattr(pad, name), getattr(plain, name))
@@ -270,9 +218,8 @@ def test_encoder_with_a_fully_padded_sequence():
         assert res.pairing is not None and res.pairing_applicable.tolist() == [True, False]
         assert res.nearest_operator is not None
         assert res.nearest_operator.distance[1] == 0  # P = P* = 0
-        T, W = dense_edge_transports(pattern, W_V, W_O)
-        eps = eps_reference(T, min(8, 3 * 2))
-        expected = weighted_mean_reference(W, eps, exclude_sink=exclude_sink)
+        W, g = ref.walk(pattern), ref.gates(pattern)
+        expected = ref.effective_defect(W, g, W_V, W_O, exclude_sink=exclude_sink)
         torch.testing.assert_close(
             res.transport_defect.double(), expected, atol=DEFECT_ATOL, rtol=0
         )
@@ -292,7 +239,8 @@ def test_rank_deficient_head_gets_its_honest_defect():
     sigma = torch.linalg.svdvals(W_V.double() @ W_O.double())[:, :2]
     assert sigma[0, 1] < rtol(torch.float32) * sigma[0, 0]  # rank 1 to float32 rounding of 3 x
     tol = atol(res.head_defects.dtype)
-    torch.testing.assert_close(res.head_defects.double(), delta_reference(sigma), atol=tol, rtol=0)
+    expected = ref.head_defects(W_V, W_O)
+    torch.testing.assert_close(res.head_defects.double(), expected, atol=tol, rtol=0)
     assert abs(res.head_defects[0].item() - math.sqrt(0.5)) < tol
 
 
@@ -304,19 +252,18 @@ def test_rank_deficient_effective_transport():
     for exclude_sink in (False, True):
         res = walk.laplacian_residual(baseline_draws=2, exact=True, exclude_sink=exclude_sink)
         assert non_finite(res.to_dict()) == []
-        T, W = dense_edge_transports(pattern, W_V, W_O)
-        eps = eps_reference(T, 6)
+        W, g = ref.walk(pattern), ref.gates(pattern)
+        eps = ref.edge_defects(g, W_V, W_O, 6)
         assert (eps[W > 0] > 0.5).all()  # rank 2 of 6: far from a rank-6 isometry
-        expected = weighted_mean_reference(W, eps, exclude_sink=exclude_sink)
+        expected = ref.effective_defect(W, g, W_V, W_O, exclude_sink=exclude_sink)
         torch.testing.assert_close(
             res.transport_defect.double(), expected, atol=DEFECT_ATOL, rtol=0
         )
     frob = walk.isometry_defects("frobenius")
     assert torch.isfinite(frob).all()
-    sigma = torch.linalg.svdvals(T)[..., :6]
     torch.testing.assert_close(
         frob.double(),
-        torch.where(W > 0, delta_reference(sigma), 0.0),
+        torch.where(W > 0, ref.edge_defects(g, W_V, W_O, 6, "frobenius"), 0.0),
         atol=atol(frob.dtype),
         rtol=0,
     )
@@ -332,8 +279,8 @@ def test_sequence_of_length_one():
     walk = tl_connwalk.connection_walk(cache, 1)
     assert torch.equal(walk.walk, torch.ones(2, 1, 1))
     assert_close(walk.apply() + walk.bias(), cache["blocks.1.hook_attn_out"])
-    T, W = dense_edge_transports(cache["blocks.1.attn.hook_pattern"], model.W_V[1], model.W_O[1])
-    rank = min(model.cfg.d_model, model.cfg.n_heads * model.cfg.d_head)
+    pattern = cache["blocks.1.attn.hook_pattern"]
+    W, g = ref.walk(pattern), ref.gates(pattern)
     for exclude_sink in (False, True):
         res = walk.laplacian_residual(baseline_draws=2, exclude_sink=exclude_sink, exact=True)
         assert non_finite(res.to_dict()) == []
@@ -343,7 +290,7 @@ def test_sequence_of_length_one():
         assert res.pairing is None and not res.pairing_applicable.any()
         assert (res.field_defect == 0).all()  # one edge: no spread
         assert (res.head_defects > 0).all()  # weights only: unaffected
-        expected = weighted_mean_reference(W, eps_reference(T, rank), exclude_sink)
+        expected = ref.effective_defect(W, g, model.W_V[1], model.W_O[1], exclude_sink=exclude_sink)
         torch.testing.assert_close(
             res.transport_defect.double(), expected, atol=DEFECT_ATOL, rtol=0
         )
@@ -366,12 +313,11 @@ def test_exclude_sink_drops_the_rows_it_empties(dtype):
     walk = ConnectionWalk.from_pattern(pattern, field, W_V, W_O)
     res = walk.laplacian_residual(baseline_draws=2, exclude_sink=True, exact=True)
     assert non_finite(res.to_dict()) == []
-    T, W = dense_edge_transports(pattern, W_V, W_O)
-    eps = eps_reference(T, 6)
-    expected = weighted_mean_reference(W, eps, exclude_sink=True)
+    W, g = ref.walk(pattern), ref.gates(pattern)
+    expected = ref.effective_defect(W, g, W_V, W_O, exclude_sink=True)
     torch.testing.assert_close(res.transport_defect.double(), expected, atol=DEFECT_ATOL, rtol=0)
-    scale = (T**2).sum((-2, -1)).sqrt() / math.sqrt(6)
-    expected_scale = weighted_mean_reference(W, scale, exclude_sink=True)
+    expected_scale = ref.common_scale(W, g, W_V, W_O, exclude_sink=True)
+    T = ref.effective_transports(g, W_V, W_O)
     assert_close(res.scale.double(), expected_scale, dtype, terms=T.shape[-1] ** 2)
     # field defect: the walk-weighted CV of rho_ij = |x_j T_ij| / |x_j| over the kept edges
     x = field.double()

@@ -9,6 +9,7 @@ import torch
 import tl_connwalk
 from tests.architectures import tokens
 from tests.tolerances import assert_close, cancelling_atol
+from tl_connwalk.core import reference as ref
 from tl_connwalk.toy import random_bridge
 
 
@@ -27,22 +28,14 @@ def transport_rank(walk):
 
 
 def svd_defects(walk):
-    """delta and eps of every edge from torch.linalg.svdvals of the dense T_ij, in float64."""
-    batch, _, n, _ = walk.gates.shape
+    """delta and eps of every edge of the walk from `tl_connwalk.core.reference` (an SVD of
+    each dense T_ij, float64), with the rank counted from the weights."""
     rank = transport_rank(walk)
-    delta = torch.zeros(batch, n, n, dtype=torch.float64)
-    eps = torch.zeros_like(delta)
-    edges = walk.edges()
-    for i in range(n):
-        for j in range(n):
-            if not edges[:, i, j].any():  # no transport on a non-edge
-                continue
-            sigma = torch.linalg.svdvals(walk.effective_transport(i, j).AB.double())[:, :rank]
-            s1, s2, s4 = sigma.sum(-1), (sigma**2).sum(-1), (sigma**4).sum(-1)
-            delta[:, i, j] = (1 - s1**2 / (rank * s2)).clamp_min(0).sqrt()
-            eps[:, i, j] = (1 - s2**2 / (rank * s4)).clamp_min(0).sqrt()
     on_walk = walk.walk.double() > 0
-    return torch.where(on_walk, delta, 0.0), torch.where(on_walk, eps, 0.0)
+    return tuple(
+        torch.where(on_walk, ref.edge_defects(walk.gates, walk.W_V, walk.W_O, rank, kind), 0.0)
+        for kind in ("frobenius", "gram")
+    )
 
 
 def test_per_edge_defects_match_svd(walk):
@@ -66,23 +59,10 @@ def test_residual_matches_independent_references(walk):
     torch.testing.assert_close(res.stochasticity, (walk.walk.sum(-1) - 1).abs().amax(-1))
     # the common scale: walk-weighted ||T_ij||_F / sqrt(r)
     rank = transport_rank(walk)
-    norms = torch.stack(
-        [
-            torch.stack(
-                [
-                    walk.effective_transport(i, j).AB.norm(dim=(-2, -1))
-                    if walk.edges()[:, i, j].any()
-                    else torch.zeros(walk.walk.shape[0])
-                    for j in range(n)
-                ],
-                -1,
-            )
-            for i in range(n)
-        ],
-        -2,
-    )
-    expected_scale = (walk.walk * norms / rank**0.5).sum((-1, -2)) / n
-    assert_close(res.scale, expected_scale, terms=walk.W_V.shape[1] ** 2)  # ||T_ij||_F^2 sums
+    norms = torch.linalg.matrix_norm(ref.effective_transports(walk.gates, walk.W_V, walk.W_O))
+    expected_scale = ref.walk_weighted_mean(walk.walk, norms / rank**0.5)
+    # ||T_ij||_F^2 sums
+    assert_close(res.scale, expected_scale, walk.walk.dtype, terms=walk.W_V.shape[1] ** 2)
     assert all(b.n_draws == 3 for b in res.baseline.values())
     json.dumps(res.to_dict())
     assert "transport_defect" in repr(res) and "random" in repr(res)

@@ -2,7 +2,8 @@
 
 References: a mask of every edge and the full head set give the unscoped numbers exactly; a
 real subset of heads or edges is measured against a walk built here from the chosen heads'
-cached patterns and the model's own OV weights, one dense map and one SVD per edge.
+cached patterns and the model's own OV weights by `tl_connwalk.core.reference` (one dense map
+and one SVD per edge).
 """
 
 from typing import Any
@@ -16,6 +17,7 @@ from tests.architectures import HAS_HOOKED, bridge_tokens
 from tests.architectures import tokens as hooked_tokens
 from tests.tolerances import cancelling_atol, rtol
 from tl_connwalk import ConnWalkError
+from tl_connwalk.core import reference as ref
 
 HEADS = [0, 2]
 
@@ -51,28 +53,15 @@ def test_every_edge_and_every_head_reproduce_the_unscoped_numbers(gpt2: Any) -> 
 
 
 def reference_subset(walk: Any, pattern: torch.Tensor, heads: list[int], edges: torch.Tensor):
-    """Walk-weighted eps and scale of the chosen heads' walk on ``edges``, edge by edge."""
-    A = pattern[:, heads].double()
-    W = A.mean(1)
-    gates = A / A.sum(1, keepdim=True).clamp_min(1e-300)
-    OV = einsum(walk.W_V[heads].double(), walk.W_O[heads].double(), "h m d, h d n -> h m n")
-    rank = min(OV.shape[-1], len(heads) * walk.W_V.shape[-1])
-    batch, n, _ = W.shape
-    eps, scale = torch.zeros(batch, n, n, dtype=torch.float64), torch.zeros(batch, n, n)
-    scale = scale.double()
-    for i in range(n):
-        for j in range(n):
-            T = len(heads) * einsum(gates[:, :, i, j], OV, "b h, h m n -> b m n")
-            sigma = torch.linalg.svdvals(T)[:, :rank]
-            s2, s4 = (sigma**2).sum(-1), (sigma**4).sum(-1)
-            ratio = s2**2 / (rank * torch.where(s4 > 0, s4, 1.0))
-            eps[:, i, j] = torch.where(s4 > 0, (1 - ratio).clamp_min(0).sqrt(), 0.0)
-            scale[:, i, j] = (s2 / rank).sqrt()
-    kept = torch.where(edges, W, 0.0)
-    row = kept.sum(-1, keepdim=True)
-    weights = torch.where(row > 0, kept / row.clamp_min(1e-300), 0.0)
-    rows = (row[..., 0] > 0).sum(-1)
-    return (weights * eps).sum((-2, -1)) / rows, (weights * scale).sum((-2, -1)) / rows, eps
+    """Walk-weighted eps and scale of the chosen heads' own walk on ``edges``, and the per-edge
+    eps, from `tl_connwalk.core.reference` (an SVD per edge)."""
+    A = pattern[:, heads]
+    W, g, V, W_o = ref.walk(A), ref.gates(A), walk.W_V[heads], walk.W_O[heads]
+    return (
+        ref.effective_defect(W, g, V, W_o, keep=edges),
+        ref.common_scale(W, g, V, W_o, keep=edges),
+        ref.edge_defects(g, V, W_o, ref.transport_rank(V)),
+    )
 
 
 @pytest.mark.parametrize("masked", [False, True])

@@ -1,7 +1,7 @@
 """Random-baseline draws shared across layers, and several transport families in one pass.
 
-Reference: `isometry.random_baselines` with the same integer seed, which draws the factors of
-every layer afresh and evaluates each measurement on them (the public per-measure path). The
+Reference: `tl_connwalk.core.reference.random_draws` with the same integer seed, which draws
+the factors of every layer afresh and measures them by definition (an SVD per edge). The
 shared draws rescale Grams computed once, so they agree to rounding: ``cancelling_atol`` of
 the dtype on defects in [0, 1] (the closed-form defects are ``sqrt(1 - x)`` with ``x ~ 1`` near
 0, which keeps half the digits).
@@ -17,8 +17,9 @@ import torch
 
 from tests.core.problems import random_problem
 from tests.tolerances import assert_close, atol, cancelling_atol
-from tl_connwalk.core import draws, field_defect, head_grams
+from tl_connwalk.core import draws, head_grams
 from tl_connwalk.core import isometry as iso
+from tl_connwalk.core import reference as ref
 from tl_connwalk.core._fast import chunks
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.walk import ConnectionWalk
@@ -27,17 +28,21 @@ ATOL = {dtype: cancelling_atol(dtype) for dtype in (torch.float64, torch.float32
 
 
 def reference_baselines(p, n_draws, seed, exclude_sink=False):
-    """The baselines measured the slow way: fresh factors, each public measurement on them."""
+    """The baselines by definition: `tl_connwalk.core.reference.random_draws` (fresh factors
+    from the same seed) measured by the reference, ``[draw, ...]`` per measurement."""
     measures = {
-        "head_defects": iso.head_transport_defects,
-        "transport_defect": lambda values, outputs: iso.effective_transport_defect(
+        "head_defects": ref.head_defects,
+        "transport_defect": lambda values, outputs: ref.effective_defect(
             p.walk, p.gates, values, outputs, exclude_sink=exclude_sink
         ),
-        "field_defect": lambda values, outputs: field_defect.field_isometry_defect(
+        "field_defect": lambda values, outputs: ref.field_defect(
             p.field, p.walk, p.gates, values, outputs, exclude_sink=exclude_sink
         ),
     }
-    return iso.random_baselines(measures, p.W_V, p.W_O, n_draws, seed=seed)
+    return {
+        name: ref.random_draws(measure, p.W_V, p.W_O, n_draws, seed)
+        for name, measure in measures.items()
+    }
 
 
 def residual_of(p, **options):
@@ -57,9 +62,9 @@ def test_shared_draws_equal_fresh_draws_per_measurement(
     p = random_problem(heads=3, pos=6, d_model=10, d_head=3, seed=4, causal=True, dtype=dtype)
     res = residual_of(p, baseline_draws=3, seed=11, exclude_sink=exclude_sink)
     expected = reference_baselines(p, 3, 11, exclude_sink)
-    for name, base in expected.items():
+    for name, drawn in expected.items():
         torch.testing.assert_close(
-            res.baseline[name].draws, base.draws, atol=ATOL[dtype], rtol=0, msg=name
+            res.baseline[name].draws.double(), drawn, atol=ATOL[dtype], rtol=0, msg=name
         )
     assert (draws.raw_draws.cache_info().currsize == 1) and (
         draws.raw_draws.cache_info().misses == 1
@@ -84,9 +89,7 @@ def test_wide_heads_draws_keep_their_output_gram_rows_within_a_budget(draw_rows,
     p = random_problem(heads=3, pos=6, d_model=10, d_head=3, seed=4, causal=True)
     res = residual_of(p, baseline_draws=3, seed=11)
     for name, base in reference_baselines(p, 3, 11).items():
-        torch.testing.assert_close(
-            res.baseline[name].draws, base.draws, atol=ATOL[torch.float64], rtol=0
-        )
+        torch.testing.assert_close(res.baseline[name].draws, base, atol=ATOL[torch.float64], rtol=0)
     assert head_grams.head_grams(p.W_V, p.W_O).out_rows is None
     raw = draws.raw_draws(p.W_V.shape, p.W_O.shape, p.W_V.dtype, p.W_V.device, 11, 3)
     assert all((draw.out_rows is not None) == draw_rows for draw in raw.draws)
@@ -124,7 +127,7 @@ def test_layers_of_one_shape_share_one_set_of_draws():
     for p, res in [(first, res_first), (second, res_second)]:
         base = reference_baselines(p, 2, 0)["transport_defect"]
         torch.testing.assert_close(
-            res.baseline["transport_defect"].draws, base.draws, atol=ATOL[torch.float64], rtol=0
+            res.baseline["transport_defect"].draws, base, atol=ATOL[torch.float64], rtol=0
         )
 
 
@@ -242,8 +245,8 @@ def test_a_walk_measures_its_weights_once_and_again_after_an_edit(monkeypatch):
 # Reference: the explicit Gaussian value factor the route stands for. With ``X = L Q^T``
 # (``Q = X^T L^-T``) and ``Q_perp`` completing ``Q``, ``Z = Q Y + Q_perp Y_perp`` is standard
 # Gaussian when ``Y``, ``Y_perp`` are; the test draws both again from the route's seeds, builds
-# ``Z`` and measures it the slow way (`field_defect.field_isometry_defect` on explicit factors
-# scaled to the layer's head norms). Agreement: ATOL in float64.
+# ``Z`` and measures it by definition (`tl_connwalk.core.reference.field_defect` on explicit
+# factors scaled to the layer's head norms). Agreement: ATOL in float64.
 
 KEYED = dict(batch=2, heads=3, pos=6, d_model=24, d_head=4, causal=True)
 
@@ -286,7 +289,7 @@ def field_reference(p, n_draws, seed, exclude_sink=False, sequences=None):
     for b in range(p.field.shape[0]) if sequences is None else sequences:
         one = [t[b : b + 1] for t in (p.field, p.walk, p.gates)]
         columns.append(torch.stack([
-            field_defect.field_isometry_defect(*one, V, O_, exclude_sink=exclude_sink)[0]
+            ref.field_defect(*one, V, O_, exclude_sink=exclude_sink)[0]
             for V, O_ in implied_value_factors(p, n_draws, seed, b)
         ]))  # fmt: skip
     return torch.stack(columns, 1)
@@ -318,7 +321,7 @@ def test_field_draws_through_the_keys_factor_equal_explicit_gaussian_value_facto
     for name, base in reference_baselines(p, 3, 11, exclude_sink).items():
         if name != "field_defect":
             torch.testing.assert_close(
-                res.baseline[name].draws, base.draws, atol=ATOL[torch.float64], rtol=0
+                res.baseline[name].draws, base, atol=ATOL[torch.float64], rtol=0
             )
 
 
@@ -373,7 +376,7 @@ def test_the_field_draws_multiply_the_values_where_the_keys_route_does_not_apply
     res = residual_of(p, baseline_draws=2, seed=3)
     expected = reference_baselines(p, 2, 3)["field_defect"]
     torch.testing.assert_close(
-        res.baseline["field_defect"].draws, expected.draws, atol=ATOL[torch.float64], rtol=0
+        res.baseline["field_defect"].draws, expected, atol=ATOL[torch.float64], rtol=0
     )
     assert draws.key_draws.cache_info().currsize == 0
 
@@ -390,7 +393,7 @@ def test_a_sequence_that_does_not_factor_goes_direct_and_the_others_do_not(exclu
     p = dataclasses.replace(p, field=field)
     assert draws.key_factor(p.field, 3, 12)[1].tolist() == [False, True]
     res = residual_of(p, baseline_draws=3, seed=5, exclude_sink=exclude_sink)
-    direct = reference_baselines(p, 3, 5, exclude_sink)["field_defect"].draws
+    direct = reference_baselines(p, 3, 5, exclude_sink)["field_defect"]
     keyed = field_reference(p, 3, 5, exclude_sink, sequences=[1])
     expected = torch.stack([direct[:, 0], keyed[:, 0]], 1)
     torch.testing.assert_close(

@@ -7,9 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.core.test_isometry import dense_transports, orthogonal, random_problem
+from tests.core.test_isometry import orthogonal, random_problem
 from tests.tolerances import assert_close, atol
 from tl_connwalk.core import field_defect as fd
+from tl_connwalk.core import reference as ref
 from tl_connwalk.core._fast import messages as fast_messages
 from tl_connwalk.core.walk import gates as split_gates
 from tl_connwalk.core.walk import walk_matrix
@@ -18,32 +19,15 @@ from tl_connwalk.errors import ConnWalkError
 F64 = torch.float64
 
 
-def reference_ratios(field, g, W_V, W_O):
-    T = dense_transports(g, W_V, W_O)
-    messages = torch.einsum("bjd,bijde->bije", field, T)
-    return messages.norm(dim=-1) / field.norm(dim=-1)[:, None, :]
-
-
-def reference_cv(weights, values):
-    p = weights / weights.sum((1, 2), keepdim=True)
-    mean = (p * values).sum((1, 2))
-    return (p * (values - mean[:, None, None]) ** 2).sum((1, 2)).sqrt() / mean
-
-
 @pytest.mark.parametrize("heads", [1, 2, 3, 4])
-def test_ratios_and_defect_match_dense_messages(heads):
+@pytest.mark.parametrize("exclude_sink", [False, True])
+def test_ratios_and_defect_match_the_reference(heads, exclude_sink):
     pattern, field, W_V, W_O = random_problem(heads=heads, causal=True, seed=heads)
     walk, g = walk_matrix(pattern), split_gates(pattern)
-    rho = reference_ratios(field, g, W_V, W_O)
-    assert_close(fd.message_norm_ratios(field, g, W_V, W_O), rho)
-    assert_close(fd.field_isometry_defect(field, walk, g, W_V, W_O), reference_cv(walk, rho))
-    # exclude_sink: key 0 dropped, rows renormalised, query 0 (all on the sink) left out
-    kept = walk.clone()
-    kept[:, :, 0] = 0
-    kept = torch.where(kept.sum(-1, keepdim=True) > 0, kept / kept.sum(-1, keepdim=True), 0)
+    assert_close(fd.message_norm_ratios(field, g, W_V, W_O), ref.message_ratios(field, g, W_V, W_O))
     assert_close(
-        fd.field_isometry_defect(field, walk, g, W_V, W_O, exclude_sink=True),
-        reference_cv(kept, rho),
+        fd.field_isometry_defect(field, walk, g, W_V, W_O, exclude_sink=exclude_sink),
+        ref.field_defect(field, walk, g, W_V, W_O, exclude_sink=exclude_sink),
     )
 
 
@@ -88,10 +72,7 @@ def test_message_grams_and_head_ratios():
     head_rho = messages.norm(dim=-1) / field.norm(dim=-1)[..., None]
     assert_close(fd.head_message_norm_ratios(field, W_V, W_O), head_rho)
     walk, g = walk_matrix(pattern), split_gates(pattern)
-    expected = torch.stack(
-        [reference_cv(pattern[:, h], head_rho[:, None, :, h].expand(-1, 5, -1)) for h in range(3)],
-        dim=1,
-    )
+    expected = ref.head_field_defects(field, ref.walk(pattern), ref.gates(pattern), W_V, W_O)
     assert_close(fd.head_field_isometry_defects(field, walk, g, W_V, W_O), expected)
 
 
@@ -134,12 +115,9 @@ def test_zero_fields_and_zero_maps_are_defined():
     field[:, 2] = 0.0  # no message from key 2: ratio 0, its edges left out
     rho = fd.message_norm_ratios(field, g, W_V, W_O)
     assert torch.equal(rho[:, :, 2], torch.zeros(2, 5, dtype=F64))
-    kept = walk.clone()
-    kept[:, :, 2] = 0
-    kept = kept / kept.sum(-1, keepdim=True)
     assert_close(
         fd.field_isometry_defect(field, walk, g, W_V, W_O),
-        reference_cv(kept, reference_ratios(field, g, W_V, W_O).nan_to_num()),
+        ref.field_defect(field, walk, g, W_V, W_O),
     )
     assert torch.isfinite(fd.head_field_isometry_defects(field, walk, g, W_V, W_O)).all()
     # the zero map: every ratio 0, defect 0 (0/0)
@@ -220,13 +198,9 @@ def test_families_in_one_pass_equal_each_family_alone(exclude_sink, query_chunk)
     together = fd.field_isometry_defects(
         field, walk, g, grams, exclude_sink=exclude_sink, query_chunk=query_chunk
     )
-    kept = walk.clone()
-    kept[:, :, 0] = 0 if exclude_sink else kept[:, :, 0]
-    kept = torch.where(field.norm(dim=-1)[:, None, :] > 0, kept, 0)  # keys that send nothing
-    kept = torch.where(kept.sum(-1, keepdim=True) > 0, kept / kept.sum(-1, keepdim=True), 0)
     for family, (v, o) in enumerate(weights):
-        rho = torch.nan_to_num(reference_ratios(field, g, v, o))
-        assert_close(together[family], reference_cv(kept, rho))
+        expected = ref.field_defect(field, walk, g, v, o, exclude_sink=exclude_sink)
+        assert_close(together[family], expected)
         alone = fd.field_isometry_defect(field, walk, g, v, o, exclude_sink=exclude_sink)
         assert_close(together[family], alone)
 

@@ -20,6 +20,7 @@ from tests.core import problems
 from tests.tolerances import assert_close, atol, cancelling_atol
 from tl_connwalk.core import checks, markov, quartic
 from tl_connwalk.core import isometry as iso
+from tl_connwalk.core import reference as ref
 from tl_connwalk.core._fast import chunks
 from tl_connwalk.core._fast import edges as fast_edges
 from tl_connwalk.core.walk import gates as split_gates
@@ -34,27 +35,6 @@ def random_problem(batch=2, heads=3, pos=5, d_model=12, d_head=3, seed=0, causal
     """Pattern, field and head weights in float64 (non-causal by default, so edges go both ways)."""
     p = problems.random_problem(batch, heads, pos, d_model, d_head, seed=seed, causal=causal)
     return p.pattern, p.field, p.W_V, p.W_O
-
-
-def dense_transports(gates, W_V, W_O):
-    """``T_ij = H sum_h g^h_ij W_V^h W_O^h`` materialised, ``[batch, query, key, d, d]``."""
-    heads = W_V.shape[0]
-    T = torch.zeros(*gates.shape[:1], *gates.shape[2:], W_V.shape[1], W_O.shape[2], dtype=F64)
-    for h in range(heads):
-        T += heads * gates[:, h, :, :, None, None] * (W_V[h] @ W_O[h])
-    return T
-
-
-def ref_delta(sigma, r):
-    top = sigma.sort(descending=True).values[..., :r]
-    s1, s2 = top.sum(-1), (top**2).sum(-1)
-    return torch.where(s2 > 0, (1 - s1**2 / (r * s2.clamp_min(1e-300))).clamp_min(0), 0).sqrt()
-
-
-def ref_eps(sigma, r):
-    top = sigma.sort(descending=True).values[..., :r]
-    s2, s4 = (top**2).sum(-1), (top**4).sum(-1)
-    return torch.where(s4 > 0, (1 - s2**2 / (r * s4.clamp_min(1e-300))).clamp_min(0), 0).sqrt()
 
 
 def assert_defects_close(actual, expected):
@@ -82,8 +62,9 @@ def test_defects_from_singular_values_match_spec_formulas():
     sigma = torch.rand(4, 6, 7, dtype=F64, generator=torch.Generator().manual_seed(1))
     for r in (1, 3, 7):
         # the reference's 1 - x loses half the digits near 0: compare at CLOSED_FORM_ATOL
-        assert_defects_close(iso.isometry_defect(sigma, r), ref_delta(sigma, r))
-        assert_defects_close(iso.gram_defect(sigma, r), ref_eps(sigma, r))
+        maps = torch.diag_embed(sigma)  # singular values sigma
+        assert_defects_close(iso.isometry_defect(sigma, r), ref.isometry_defect(maps, r))
+        assert_defects_close(iso.gram_defect(sigma, r), ref.gram_defect(maps, r))
         top = sigma.sort(descending=True).values[..., :r]
         assert_close(iso.frobenius_scale(sigma, r), (top**2).mean(-1).sqrt())
 
@@ -192,7 +173,7 @@ def test_head_transport_defects_match_dense_svd(d_model, d_head):
     dense = torch.linalg.svdvals(W_V @ W_O)
     r = min(d_model, d_head)
     assert_close(iso.head_singular_values(W_V, W_O), dense[:, :r])
-    assert_defects_close(iso.head_transport_defects(W_V, W_O), ref_delta(dense, r))
+    assert_defects_close(iso.head_transport_defects(W_V, W_O), ref.head_defects(W_V, W_O))
 
 
 def test_head_transport_defects_zero_for_scaled_partial_isometries_and_zero_heads():
@@ -230,9 +211,9 @@ def test_edge_gram_defects_match_per_edge_svd(heads, causal, monkeypatch):
     walk, g = walk_matrix(pattern), split_gates(pattern)
     r = iso.effective_rank(W_V, W_O)
     assert r == min(12, 3 * heads)
-    sigma = torch.linalg.svdvals(dense_transports(g, W_V, W_O))
+    sigma = torch.linalg.svdvals(ref.effective_transports(g, W_V, W_O))
     K2, K4 = iso.gram_matrices(W_V, W_O)
-    expected = torch.where(walk > 0, ref_eps(sigma, r), 0.0)
+    expected = torch.where(walk > 0, ref.edge_defects(g, W_V, W_O, r), 0.0)
     eps = iso.edge_gram_defects(g, K2, K4, r, walk)
     torch.testing.assert_close(eps, expected, rtol=0, atol=CLOSED_FORM_ATOL)
     assert ((eps == 0) | (walk > 0)).all()  # 0 off the walk
@@ -243,7 +224,10 @@ def test_edge_gram_defects_match_per_edge_svd(heads, causal, monkeypatch):
     sv = iso.edge_singular_values(g, W_V, W_O)
     assert_close(sv, sigma[..., :r])
     torch.testing.assert_close(
-        iso.isometry_defect(sv, r), ref_delta(sigma, r), rtol=0, atol=CLOSED_FORM_ATOL
+        iso.isometry_defect(sv, r),
+        ref.edge_defects(g, W_V, W_O, r, "frobenius"),
+        rtol=0,
+        atol=CLOSED_FORM_ATOL,
     )
 
 
@@ -282,24 +266,6 @@ def test_edge_gram_defects_zero_for_scaled_orthogonal_transport():
     # all-zero maps: 0, not NaN
     zero = iso.edge_gram_defects(uniform, *iso.gram_matrices(0 * W_V, W_O), rank=12)
     assert torch.equal(zero, torch.zeros_like(zero))
-
-
-def test_effective_transport_defect_is_the_walk_weighted_mean():
-    pattern, _, W_V, W_O = random_problem(causal=True)
-    walk, g = walk_matrix(pattern), split_gates(pattern)
-    sigma = torch.linalg.svdvals(dense_transports(g, W_V, W_O))
-    eps = ref_eps(sigma, 9)
-    n = walk.shape[-1]
-    expected = (walk * eps).sum((1, 2)) / n
-    result = iso.effective_transport_defect(walk, g, W_V, W_O)
-    torch.testing.assert_close(result, expected, rtol=0, atol=CLOSED_FORM_ATOL)
-    # exclude_sink: drop key 0, renormalise rows; query 0 keeps no mass and drops out
-    kept = walk[:, :, 1:] / walk[:, :, 1:].sum(-1, keepdim=True)
-    expected_sink = (kept[:, 1:] * eps[:, 1:, 1:]).sum((1, 2)) / (n - 1)
-    result_sink = iso.effective_transport_defect(walk, g, W_V, W_O, exclude_sink=True)
-    torch.testing.assert_close(result_sink, expected_sink, rtol=0, atol=CLOSED_FORM_ATOL)
-    scale = iso.common_scale(walk, g, W_V, W_O)
-    assert_close(scale, (walk * ((sigma**2).sum(-1) / 9).sqrt()).sum((1, 2)) / n)
 
 
 # --- walk-weighted summaries ------------------------------------------------------------

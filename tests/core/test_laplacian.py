@@ -1,9 +1,9 @@
 """The nearest random-walk connection operator (spec §4) against dense references in float64.
 
-The reference builds ``P`` and ``P*`` as dense ``(n d_model) x (n d_model)`` block matrices by
-loops, with its own polar factor ``B (B^T B)^{-1/2}`` (an eigendecomposition, not an SVD), and
-takes the relative Frobenius distance; the chunked edge sums must agree to `dense_atol` (float64
-rounding times the condition number of the maps whose polar factors enter). Exactness
+`tl_connwalk.core.reference.nearest_operator_distance` sums ``||W_ij T_ij - W*_ij s O*_ij||_F^2``
+edge by edge over dense maps; the chunked edge sums must agree to `dense_atol` (float64
+rounding times the condition number of the maps whose polar factors enter). The polar factor
+itself is checked against ``B (B^T B)^{-1/2}`` (an eigendecomposition, not an SVD). Exactness
 tests use generic transports with ``d_model <= H d_head``, whose symmetrisations are invertible,
 so the polar factor is unique and the SVD's arbitrary null-space choice never enters.
 """
@@ -18,6 +18,7 @@ from jaxtyping import TypeCheckError
 from tests.core import problems
 from tests.tolerances import assert_close, atol, rtol
 from tl_connwalk.core import laplacian as lap
+from tl_connwalk.core import reference as ref
 from tl_connwalk.core._fast import chunks
 from tl_connwalk.core.isometry import common_scale
 from tl_connwalk.core.markov import stationary_distribution
@@ -44,34 +45,8 @@ def ref_polar(B):
     return B @ vectors @ torch.diag(values.rsqrt()) @ vectors.T
 
 
-def ref_distance(walk, gates, W_V, W_O, mu, scale):
-    """``||P - P*||_F / ||P||_F`` from dense block matrices built by loops, per batch element."""
-    batch, heads, n, _ = gates.shape
-    d = W_V.shape[1]
-    heads_T = [W_V[h] @ W_O[h] for h in range(heads)]
-    out = []
-    for b in range(batch):
-
-        def T(i, j, b=b):
-            return heads * sum(gates[b, h, i, j] * heads_T[h] for h in range(heads))
-
-        M = [[(mu[b, i] * walk[b, i, j] + mu[b, j] * walk[b, j, i]) / 2 for j in range(n)]
-             for i in range(n)]  # fmt: skip
-        P = torch.zeros(n * d, n * d, dtype=F64)
-        P_star = torch.zeros(n * d, n * d, dtype=F64)
-        for i in range(n):
-            row_mass = sum(M[i])
-            for j in range(n):
-                block = (slice(i * d, (i + 1) * d), slice(j * d, (j + 1) * d))
-                P[block] = walk[b, i, j] * T(i, j)
-                w_star = M[i][j] / row_mass if row_mass > 0 else 0.0
-                P_star[block] = w_star * scale[b] * ref_polar((T(i, j) + T(j, i).T) / 2)
-        out.append(torch.linalg.matrix_norm(P - P_star) / torch.linalg.matrix_norm(P))
-    return torch.stack(out)
-
-
 def dense_atol(gates, W_V, W_O):
-    """Tolerance of the chunked distance against `ref_distance`: float64 rounding over the
+    """Tolerance of the chunked distance against the reference: float64 rounding over the
     ``n^2 d^2`` entries of the Frobenius norms, times the largest condition number of the
     symmetrised transports ``(T_ij + T_ji^T) / 2`` (a polar factor's error is its map's
     condition number times the rounding)."""
@@ -96,7 +71,7 @@ def test_distance_matches_dense_block_matrices(causal, monkeypatch):
     walk, gates, W_V, W_O, mu = random_problem(causal=causal, seed=1)
     scale = torch.tensor([0.7, 2.0], dtype=F64)
     result = lap.nearest_connection_operator_distance(walk, gates, W_V, W_O, mu, scale)
-    expected = ref_distance(walk, gates, W_V, W_O, mu, scale)
+    expected = ref.nearest_operator_distance(walk, gates, W_V, W_O, mu, scale)
     torch.testing.assert_close(result.distance, expected, rtol=0, atol=dense_atol(gates, W_V, W_O))
     assert result.exact and result.n_edges == result.n_sampled == (16, 16)
     assert result.distance.dtype == F64
@@ -112,7 +87,7 @@ def test_distance_with_stationary_mu_and_common_scale_matches_reference():
     mu = stationary_distribution(walk)
     scale = common_scale(walk, gates, W_V, W_O)
     result = lap.nearest_connection_operator_distance(walk, gates, W_V, W_O, mu, scale)
-    expected = ref_distance(walk, gates, W_V, W_O, mu, scale)
+    expected = ref.nearest_operator_distance(walk, gates, W_V, W_O, mu, scale)
     torch.testing.assert_close(result.distance, expected, rtol=0, atol=dense_atol(gates, W_V, W_O))
     # the norms are the two Frobenius norms themselves
     heads_T = torch.einsum("hdk,hke->hde", W_V, W_O)
@@ -134,7 +109,9 @@ def test_empty_rows_stay_empty():
     assert_close(reversed_walk.sum(-1)[0, [0, 1, 3]], torch.ones(3, dtype=F64))
     assert_close(reversed_walk[0, 3, 3], torch.tensor(0.0, dtype=F64))
     result = lap.nearest_connection_operator_distance(walk, gates, W_V, W_O, mu, 1.5)
-    expected = ref_distance(walk, gates, W_V, W_O, mu, torch.tensor([1.5], dtype=F64))
+    expected = ref.nearest_operator_distance(
+        walk, gates, W_V, W_O, mu, torch.tensor([1.5], dtype=F64)
+    )
     torch.testing.assert_close(result.distance, expected, rtol=0, atol=dense_atol(gates, W_V, W_O))
     # edges: W > 0 or W* > 0; row and column 2 have neither
     assert result.n_edges == (9,)

@@ -1,8 +1,9 @@
 """Markov-chain measurements of the walk and the pairing residual (spec §2-3), in float64.
 
-References: eigenvectors from ``torch.linalg.eig``, explicit loops over rows, and dense per-edge
-transports for the pairing residual (compared at ``cancelling_atol``: its closed form takes the
-square root of a difference of nearly equal numbers, so it carries half the working precision).
+References: `tl_connwalk.core.reference` (eigenvectors from ``torch.linalg.eig``, loops over
+rows, dense per-edge transports for the pairing residual; compared at ``cancelling_atol``: the
+closed form takes the square root of a difference of nearly equal numbers, so it carries half
+the working precision).
 """
 
 import inspect
@@ -12,10 +13,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.core.test_isometry import dense_transports, orthogonal, random_problem
+from tests.core.test_isometry import orthogonal, random_problem
 from tests.tolerances import assert_close, atol, cancelling_atol
 from tl_connwalk.core import isometry as iso
 from tl_connwalk.core import markov
+from tl_connwalk.core import reference as ref
 from tl_connwalk.core.walk import gates as split_gates
 from tl_connwalk.core.walk import walk_matrix
 from tl_connwalk.errors import ConnWalkError
@@ -35,16 +37,6 @@ def random_walk(batch=2, n=5, seed=0, causal=False):
 def unchecked(fn):
     """``fn`` without the jaxtyping/beartype wrapper the test run adds, to reach our own checks."""
     return inspect.unwrap(fn)
-
-
-def eig_stationary(chain):
-    """Left eigenvector of eigenvalue 1, normalised to sum 1 (reference)."""
-    out = []
-    for P in chain:
-        values, vectors = torch.linalg.eig(P.T)
-        v = vectors[:, (values - 1).abs().argmin()].real
-        out.append(v / v.sum())
-    return torch.stack(out)
 
 
 # --- (C1), irreducibility, stationary distribution --------------------------------------
@@ -77,7 +69,7 @@ def test_is_irreducible():
 def test_stationary_distribution_matches_eigenvector():
     walk = random_walk(3, 6)
     mu = markov.stationary_distribution(walk)
-    assert_close(mu, eig_stationary(walk), dtype=torch.float32)  # eig is less accurate
+    assert_close(mu, ref.stationary(walk), dtype=torch.float32)  # eig is less accurate
     assert_close(torch.einsum("bi,bij->bj", mu, walk), mu)
     # rows are normalised first: a scaled walk has the same mu
     assert_close(markov.stationary_distribution(walk * 3.0), mu)
@@ -92,7 +84,7 @@ def test_stationary_distribution_falls_back_to_uniform_and_teleports():
     alpha = 0.7
     teleporting = alpha * causal + (1 - alpha) / 5
     mu = markov.stationary_distribution(causal, teleport=alpha)
-    assert_close(mu, eig_stationary(teleporting), dtype=torch.float32)
+    assert_close(mu, ref.stationary(teleporting), dtype=torch.float32)
     assert mu[:, 0].gt(mu[:, 1:].amax(-1)).all()  # the sink holds the most mass
     # rows without mass jump uniformly (dangling positions)
     dangling = causal.clone()
@@ -108,25 +100,20 @@ def test_stationary_distribution_falls_back_to_uniform_and_teleports():
 # --- (C2) -------------------------------------------------------------------------------
 
 
-def reference_reversibility(walk, mu):
-    M = mu[:, :, None] * walk
-    return torch.linalg.matrix_norm(M - M.mT) / torch.linalg.matrix_norm(M + M.mT)
-
-
 def test_reversibility_residual_and_which_mu():
     walk = torch.cat([random_walk(1, 5), random_walk(1, 5, seed=1, causal=True)])
     result = markov.reversibility_residual(walk)
     assert result.mu_kind == ("stationary", "uniform")
     assert_close(result.mu[1], torch.full((5,), 0.2, dtype=F64))
-    assert_close(result.residual, reference_reversibility(walk, result.mu))
+    assert_close(result.residual, ref.reversibility(walk, result.mu))
     teleport = markov.reversibility_residual(walk, "teleport", alpha=0.5)
     assert teleport.mu_kind == ("teleport", "teleport")
     assert_close(teleport.mu, markov.stationary_distribution(walk, teleport=0.5))
-    assert_close(teleport.residual, reference_reversibility(walk, teleport.mu))
+    assert_close(teleport.residual, ref.reversibility(walk, teleport.mu))
     given_mu = torch.rand(2, 5, dtype=F64, generator=torch.Generator().manual_seed(2)) + 0.1
     given_result = markov.reversibility_residual(walk, given_mu)
     assert given_result.mu_kind == ("given", "given")
-    assert_close(given_result.residual, reference_reversibility(walk, given_mu))
+    assert_close(given_result.residual, ref.reversibility(walk, given_mu))
     # mu's scale does not matter
     assert_close(markov.reversibility_residual(walk, 7 * given_mu).residual, given_result.residual)
     assert markov.reversibility_residual(walk, "uniform").mu_kind == ("uniform", "uniform")
@@ -181,22 +168,15 @@ def test_bad_input_raises_conn_walk_error(call, match):
 
 def test_layer_drift_against_rows():
     a, b = random_walk(2, 5, seed=1, causal=True), random_walk(2, 5, seed=2, causal=True)
-    expected = torch.stack(
-        [sum(0.5 * (a[k, i] - b[k, i]).abs().sum() for i in range(5)) / 5 for k in range(2)]
-    )
+    expected = ref.layer_drift(a, b)
     assert_close(markov.layer_drift(a, b), expected)
     assert_close(markov.layer_drift(b, a), expected)
     assert torch.equal(markov.layer_drift(a, a), torch.zeros(2, dtype=F64))
     assert torch.equal(markov.layer_drift(a, a, exclude_sink=True), torch.zeros(2, dtype=F64))
     # sink removed: query 0 keeps nothing and drops out; other rows renormalised
-    sink = []
-    for k in range(2):
-        rows = []
-        for i in range(1, 5):
-            ra, rb = a[k, i, 1:] / a[k, i, 1:].sum(), b[k, i, 1:] / b[k, i, 1:].sum()
-            rows.append(0.5 * (ra - rb).abs().sum())
-        sink.append(sum(rows) / 4)
-    assert_close(markov.layer_drift(a, b, exclude_sink=True), torch.stack(sink))
+    assert_close(
+        markov.layer_drift(a, b, exclude_sink=True), ref.layer_drift(a, b, exclude_sink=True)
+    )
     # everything on the sink: nothing to compare, 0
     only_sink = torch.zeros(1, 3, 3)
     only_sink[:, :, 0] = 1
@@ -217,29 +197,13 @@ def test_layer_drift_is_a_bounded_symmetric_distance(seed, causal, exclude_sink)
 # --- pairing ----------------------------------------------------------------------------
 
 
-def reference_pairing(walk, g, W_V, W_O, exclude_sink=False):
-    T = dense_transports(g, W_V, W_O)
-    per_edge = torch.linalg.matrix_norm(T.transpose(1, 2) - T.mT) / torch.linalg.matrix_norm(T)
-    batch, n, _ = walk.shape
-    out = torch.zeros(batch, dtype=F64)
-    for k in range(batch):
-        rows = []
-        for i in range(n):
-            keys = [j for j in range(n) if walk[k, i, j] > 0 and walk[k, j, i] > 0]
-            keys = [j for j in keys if j > 0 or not exclude_sink]
-            mass = sum(walk[k, i, j] for j in keys)
-            if keys and mass > 0:
-                rows.append(sum(walk[k, i, j] * per_edge[k, i, j] for j in keys) / mass)
-        out[k] = sum(rows) / len(rows)
-    return per_edge, out
-
-
 @pytest.mark.parametrize("heads", [1, 2, 3, 4])
 def test_pairing_residual_matches_dense_transports(heads):
     pattern, _, W_V, W_O = random_problem(heads=heads, seed=10 + heads)
     pattern[0, :, 1, 3] = 0.0  # one edge missing in one direction: left out
     walk, g = walk_matrix(pattern), split_gates(pattern)
-    per_edge, expected = reference_pairing(walk, g, W_V, W_O)
+    per_edge = ref.edge_pairing(g, W_V, W_O)
+    expected, _ = ref.pairing(walk, g, W_V, W_O)
     closed = markov.edge_pairing_residuals(
         g, iso.head_gram(W_V, W_O), iso.head_mixed_gram(W_V, W_O)
     )
@@ -247,7 +211,7 @@ def test_pairing_residual_matches_dense_transports(heads):
     result = markov.pairing_residual(walk, g, W_V, W_O)
     assert result.applicable.tolist() == [True, True]
     torch.testing.assert_close(result.residual, expected, rtol=0, atol=PAIRING_ATOL)
-    _, expected_sink = reference_pairing(walk, g, W_V, W_O, exclude_sink=True)
+    expected_sink, _ = ref.pairing(walk, g, W_V, W_O, exclude_sink=True)
     sink = markov.pairing_residual(walk, g, W_V, W_O, exclude_sink=True)
     torch.testing.assert_close(sink.residual, expected_sink, rtol=0, atol=PAIRING_ATOL)
 

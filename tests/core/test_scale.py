@@ -1,8 +1,8 @@
 """Geometry at scale: the mass-share restriction and query chunking.
 
-References: the kept edges are chosen by a per-row Python loop; their defects come from SVDs of
-the materialised ``d_model x d_model`` transports (float64, closed form vs SVD to
-``cancelling_atol``: both take ``sqrt(1 - x)`` near 0, as in test_isometry). Chunked results,
+References: `tl_connwalk.core.reference` chooses the kept edges by a per-row loop and takes
+their defects from SVDs of the materialised ``d_model x d_model`` transports (float64, closed
+form vs SVD to ``cancelling_atol``: the closed form takes ``sqrt(1 - x)`` near 0). Chunked results,
 and the listed-edge path, must equal the whole ones to rounding (`squares_close`).
 """
 
@@ -15,6 +15,7 @@ from tests.core.problems import random_problem
 from tests.tolerances import assert_close, atol, cancelling_atol, rtol
 from tl_connwalk.core import field_defect, markov
 from tl_connwalk.core import isometry as iso
+from tl_connwalk.core import reference as ref
 from tl_connwalk.core._fast import chunks
 from tl_connwalk.core.walk import gates, walk_matrix
 from tl_connwalk.errors import ConnWalkError
@@ -23,54 +24,12 @@ from tl_connwalk.walk import ConnectionWalk
 CLOSED_FORM_ATOL = cancelling_atol(torch.float64)  # closed form vs per-edge SVD, float64
 
 
-def ref_heaviest(walk, share):
-    keep = torch.zeros(walk.shape, dtype=torch.bool)
-    for b in range(walk.shape[0]):
-        for i in range(walk.shape[1]):
-            row = walk[b, i].tolist()
-            target = share * sum(row)
-            order = sorted(range(len(row)), key=lambda j: -row[j])
-            mass = 0.0
-            for j in order:
-                if row[j] <= 0 or mass >= target:
-                    break
-                keep[b, i, j] = True
-                mass += row[j]
-    return keep
-
-
-def ref_eps(T, rank):
-    sigma = torch.linalg.svdvals(T)[:rank]
-    s2, s4 = (sigma**2).sum(), (sigma**4).sum()
-    return (1 - s2**2 / (rank * s4)).clamp_min(0).sqrt() if s4 > 0 else torch.tensor(0.0)
-
-
-def ref_restricted_defect(walk, gates, W_V, W_O, keep):
-    """Materialise each kept edge, SVD it, average with rows renormalised over the kept edges."""
-    heads = W_V.shape[0]
-    rank = min(W_V.shape[1], heads * W_V.shape[2])
-    out = []
-    for b in range(walk.shape[0]):
-        total, rows = 0.0, 0
-        for i in range(walk.shape[1]):
-            row_mass = sum(walk[b, i, j] for j in range(walk.shape[2]) if keep[b, i, j])
-            if row_mass <= 0:
-                continue
-            rows += 1
-            for j in range(walk.shape[2]):
-                if keep[b, i, j]:
-                    T = heads * sum(gates[b, h, i, j] * W_V[h] @ W_O[h] for h in range(heads))
-                    total += walk[b, i, j] / row_mass * ref_eps(T, rank)
-        out.append(total / rows)
-    return torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in out])
-
-
 @pytest.mark.parametrize("share", [0.3, 0.7, 0.9, 0.99])
 @pytest.mark.parametrize("causal", [False, True])
 def test_heaviest_edges_match_a_row_by_row_reference(share, causal):
     problem = random_problem(2, 3, 7, seed=4, causal=causal)
     keep = iso.heaviest_edges(problem.walk, share)
-    torch.testing.assert_close(keep, ref_heaviest(problem.walk, share))
+    torch.testing.assert_close(keep, ref.heaviest_edges(problem.walk, share))
     kept_mass = torch.where(keep, problem.walk, 0.0).sum(-1)
     n_keys = problem.walk.shape[-1]
     assert (kept_mass >= share * problem.walk.sum(-1) - atol(torch.float64, n_keys)).all()
@@ -86,7 +45,7 @@ def test_restricted_defect_matches_materialised_kept_edges(share, causal, monkey
     keep = iso.heaviest_edges(walk, share)
     assert keep.sum() < (walk > 0).sum()  # a real restriction
     result = iso.effective_transport_defect(walk, gates, problem.W_V, problem.W_O, edges=keep)
-    expected = ref_restricted_defect(walk, gates, problem.W_V, problem.W_O, keep)
+    expected = ref.effective_defect(walk, gates, problem.W_V, problem.W_O, keep=keep)
     torch.testing.assert_close(result, expected, rtol=0, atol=CLOSED_FORM_ATOL)
 
 
@@ -126,8 +85,10 @@ def test_laplacian_residual_mass_share(exclude_sink):
     considered = problem.walk.clone()
     if exclude_sink:
         considered[:, :, 0] = 0.0
-    keep = ref_heaviest(considered, 0.8)
-    expected = ref_restricted_defect(problem.walk, problem.gates, problem.W_V, problem.W_O, keep)
+    keep = ref.heaviest_edges(considered, 0.8)
+    expected = ref.effective_defect(
+        problem.walk, problem.gates, problem.W_V, problem.W_O, keep=keep
+    )
     torch.testing.assert_close(part.transport_defect, expected, rtol=0, atol=CLOSED_FORM_ATOL)
     covered = torch.where(keep, considered, 0.0).sum((1, 2)) / considered.sum((1, 2))
     torch.testing.assert_close(part.mass_covered, covered)
@@ -250,21 +211,6 @@ def test_bad_query_chunk_is_refused(chunk):
         iso.edge_frobenius_scales(problem.gates, K2, 4, query_chunk=chunk)
 
 
-def ref_head_field_defects(field, pattern, W_V, W_O, exclude_sink):
-    """Per head, the walk-weighted CV on the materialised pattern ``A^h`` (edges of every query)."""
-    heads = W_V.shape[0]
-    out = torch.zeros(pattern.shape[0], heads, dtype=torch.float64)
-    sent = field.norm(dim=-1) > 0
-    for h in range(heads):
-        rho = (field @ W_V[h] @ W_O[h]).norm(dim=-1) / field.norm(dim=-1).clamp_min(1e-300)
-        values = rho[:, None, :].expand(pattern[:, h].shape)
-        edges = None if sent.all() else sent[:, None, :].expand(pattern[:, h].shape)
-        out[:, h] = iso.walk_weighted_cv(
-            pattern[:, h], values, exclude_sink=exclude_sink, edges=edges
-        )
-    return out
-
-
 @pytest.mark.parametrize("exclude_sink", [False, True])
 @pytest.mark.parametrize("silent_key", [None, 2])
 @pytest.mark.parametrize("chunk", [None, 1, 3])
@@ -277,7 +223,7 @@ def test_head_field_defects_from_column_weights(exclude_sink, silent_key, chunk)
         field, problem.walk, problem.gates, problem.W_V, problem.W_O,
         exclude_sink=exclude_sink, query_chunk=chunk,
     )  # fmt: skip
-    expected = ref_head_field_defects(
-        field, problem.pattern, problem.W_V, problem.W_O, exclude_sink
+    expected = ref.head_field_defects(
+        field, problem.walk, problem.gates, problem.W_V, problem.W_O, exclude_sink=exclude_sink
     )
     assert_close(result, expected)

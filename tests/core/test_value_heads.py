@@ -1,20 +1,20 @@
 """Grouped-query attention in the math core (spec §3): the rank of the effective transports is
 ``min(d_model, H_kv d_head)``, and the random baselines share value heads as the model does.
 
-References: an SVD of every edge's dense transport (the rank counted by the test from the
-shapes), and random draws made here, from a generator of the test's own, with one Gaussian
-``W_V`` per value head.
+References: `tl_connwalk.core.reference`, an SVD of every edge's dense transport, and its
+random draws, with one Gaussian ``W_V`` per value head.
 """
 
+import functools
 import math
 
 import pytest
 import torch
-from einops import einsum
 
 from tests.core.problems import F64, random_problem
 from tl_connwalk.core import draws, value_heads
 from tl_connwalk.core import isometry as iso
+from tl_connwalk.core import reference as ref
 from tl_connwalk.core._fast import chunks
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.walk import ConnectionWalk
@@ -33,21 +33,6 @@ def grouped_problem(n_heads, n_value, d_model, d_head, *, seed=0, pos=5, batch=2
     gen = torch.Generator().manual_seed(seed + 1000)
     W_V = torch.randn(n_value, d_model, d_head, generator=gen, dtype=F64)
     return p, W_V
-
-
-def dense_transports(gates, W_V_per_head, W_O):
-    """Every edge's ``T_ij = H sum_h g^h_ij W_V^h W_O^h``, ``[batch, query, key, d, d]``."""
-    heads = einsum(W_V_per_head, W_O, "head d p, head p e -> head d e")
-    return gates.shape[1] * einsum(gates, heads, "b head i j, head d e -> b i j d e")
-
-
-def svd_defects(T, rank):
-    """``eps`` and ``delta`` over the top ``rank`` singular values of each map."""
-    sigma = torch.linalg.svdvals(T)[..., :rank]
-    s1, s2, s4 = sigma.sum(-1), (sigma**2).sum(-1), (sigma**4).sum(-1)
-    eps = (1 - s2**2 / (rank * s4)).clamp_min(0).sqrt()
-    delta = (1 - s1**2 / (rank * s2)).clamp_min(0).sqrt()
-    return eps, delta, (s2 / rank).sqrt()
 
 
 # --- the map from query heads to value heads ---
@@ -118,16 +103,16 @@ def test_grouped_defects_and_scale_match_an_svd_per_edge(n_heads, n_value, d_mod
     walk = ConnectionWalk.from_pattern(p.pattern, p.field, W_V, p.W_O)
     kv = [h // (n_heads // n_value) for h in range(n_heads)]
     rank = min(d_model, n_value * d_head)
-    eps, delta, scale = svd_defects(dense_transports(p.gates, W_V[kv], p.W_O), rank)
+    eps = ref.edge_defects(p.gates, W_V[kv], p.W_O, rank)
+    delta = ref.edge_defects(p.gates, W_V[kv], p.W_O, rank, "frobenius")
     tol = defect_tolerance(F64, n_heads)
     torch.testing.assert_close(walk.isometry_defects("gram"), eps, atol=tol, rtol=0)
     torch.testing.assert_close(walk.isometry_defects("frobenius"), delta, atol=tol, rtol=0)
     res = walk.laplacian_residual(baseline_draws=2)
-    n = p.pattern.shape[-1]
-    torch.testing.assert_close(
-        res.transport_defect, (p.walk * eps).sum((-2, -1)) / n, atol=tol, rtol=0
-    )
-    torch.testing.assert_close(res.scale, (p.walk * scale).sum((-2, -1)) / n, rtol=tol, atol=0)
+    expected = ref.effective_defect(p.walk, p.gates, W_V[kv], p.W_O, kv)
+    torch.testing.assert_close(res.transport_defect, expected, atol=tol, rtol=0)
+    scale = ref.common_scale(p.walk, p.gates, W_V[kv], p.W_O, kv)
+    torch.testing.assert_close(res.scale, scale, rtol=tol, atol=0)
     # the pure functions, given the map
     assert iso.effective_rank(walk.W_V, walk.W_O, walk.kv_heads) == rank
     torch.testing.assert_close(
@@ -194,31 +179,27 @@ def test_random_factors_share_value_heads_and_keep_the_norms():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def own_baseline(p, W_V, kv, rank, n_draws, seed, *, shared=True):
-    """Walk-weighted ``eps`` (top ``rank`` singular values) and field CV of random transports
-    drawn here: Gaussian ``R_V`` per value head (``shared``; else per query head) and ``R_O``
-    per query head, each head scaled to the model's ``||T^h||_F``; one SVD per edge."""
-    gen = torch.Generator().manual_seed(seed)
-    n_heads, d_head, d_model = p.W_O.shape
-    target = einsum(W_V[kv], p.W_O, "h d p, h p e -> h d e").norm(dim=(-2, -1))
-    n = p.pattern.shape[-1]
-    defects, fields = [], []
-    for _ in range(n_draws):
-        n_values = W_V.shape[0] if shared else n_heads
-        R_V = torch.randn(n_values, d_model, d_head, generator=gen, dtype=F64)
-        R_V = R_V[kv] if shared else R_V
-        R_O = torch.randn(n_heads, d_head, d_model, generator=gen, dtype=F64)
-        drawn = einsum(R_V, R_O, "h d p, h p e -> h d e").norm(dim=(-2, -1))
-        T = dense_transports(p.gates, R_V, R_O * (target / drawn)[:, None, None])
-        eps, _, _ = svd_defects(T, rank)
-        defects.append((p.walk * eps).sum((-2, -1)) / n)
-        sent = einsum(p.field, T, "b j d, b i j d e -> b i j e").norm(dim=-1)
-        rho = sent / p.field.norm(dim=-1)[:, None, :]
-        weights = p.walk / p.walk.sum((-2, -1), keepdim=True)
-        mean = (weights * rho).sum((-2, -1))
-        spread = (weights * (rho - mean[:, None, None]) ** 2).sum((-2, -1)).sqrt()
-        fields.append(spread / mean)
-    return {"transport_defect": torch.stack(defects), "field_defect": torch.stack(fields)}
+#: The grouped problem of the baseline test: 4 query heads on 2 value heads, d_model 12.
+GROUPED = dict(n_heads=4, n_value=2, d_model=12, d_head=2, seed=7, pos=6, batch=1)
+
+
+@functools.cache
+def own_baseline(shared: bool = True) -> dict[str, torch.Tensor]:
+    """Walk-weighted ``eps`` and field CV of 256 `tl_connwalk.core.reference.random_draws`
+    (seed 11) on the `GROUPED` problem: Gaussian ``R_V`` per value head, or per query head
+    without ``shared``; one SVD per edge. ``[draw, batch]`` each, drawn once for every route."""
+    p, W_V = grouped_problem(**GROUPED)
+    kv = list(value_heads.grouped_value_heads(GROUPED["n_heads"], GROUPED["n_value"]))
+    kv_heads = kv if shared else None
+
+    def measure(V, W_o):
+        return torch.stack([
+            ref.effective_defect(p.walk, p.gates, V, W_o, kv_heads),
+            ref.field_defect(p.field, p.walk, p.gates, V, W_o),
+        ])  # fmt: skip
+
+    drawn = ref.random_draws(measure, W_V[kv], p.W_O, 256, 11, kv_heads)
+    return {"transport_defect": drawn[:, 0], "field_defect": drawn[:, 1]}
 
 
 def z_scores(a, b):
@@ -242,17 +223,14 @@ def test_grouped_baselines_match_draws_with_shared_value_heads(route, monkeypatc
         monkeypatch.setattr(chunks, "CHUNK_ENTRIES", 64)
     draws.raw_draws.cache_clear()
     draws.key_draws.cache_clear()
-    n_heads, n_value, d_model, d_head = 4, 2, 12, 2
-    p, W_V = grouped_problem(n_heads, n_value, d_model, d_head, seed=7, pos=6, batch=1)
-    kv = list(value_heads.grouped_value_heads(n_heads, n_value))
+    p, W_V = grouped_problem(**GROUPED)
     walk = ConnectionWalk.from_pattern(p.pattern, p.field, W_V, p.W_O)
     res = walk.laplacian_residual(baseline_draws=64, seed=3)
-    rank = min(d_model, n_value * d_head)
-    own = own_baseline(p, W_V, kv, rank, 256, seed=11)
+    own = own_baseline()
     for name in ("transport_defect", "field_defect"):
         mean_z, std_z = z_scores(res.baseline[name].draws, own[name])
         assert (mean_z < 4).all() and (std_z < 4).all(), (name, mean_z, std_z)
-    unshared = own_baseline(p, W_V, kv, min(d_model, n_heads * d_head), 256, 11, shared=False)
+    unshared = own_baseline(shared=False)
     mean_z, _ = z_scores(res.baseline["transport_defect"].draws, unshared["transport_defect"])
     assert (mean_z > 8).all(), mean_z
 

@@ -1,4 +1,5 @@
-"""The connection-walk decomposition (spec §1) against slow, per-edge references in float64."""
+"""The connection-walk decomposition (spec §1) against `tl_connwalk.core.reference` (per edge,
+float64) and multi-head attention written the usual way."""
 
 import torch
 from einops import einsum
@@ -7,6 +8,7 @@ from hypothesis import strategies as st
 
 from tests.core import problems
 from tests.tolerances import assert_close
+from tl_connwalk.core import reference as ref
 from tl_connwalk.core import walk as core
 
 
@@ -16,20 +18,6 @@ def random_problem(batch=2, heads=3, pos=5, d_model=7, d_head=2, seed=0, causal=
         batch, heads, pos, d_model, d_head, seed=seed, causal=causal, temperature=1.0
     )
     return p.pattern, p.field, p.W_V, p.W_O, p.b_V, p.b_O
-
-
-def dense_edge_transports(pattern, W_V, W_O):
-    """T_ij = H sum_h g^h_ij W_V^h W_O^h, materialised edge by edge with Python loops."""
-    batch, heads, pos, _ = pattern.shape
-    T = torch.zeros(batch, pos, pos, W_V.shape[1], W_O.shape[2], dtype=pattern.dtype)
-    for b in range(batch):
-        for i in range(pos):
-            for j in range(pos):
-                total = pattern[b, :, i, j].sum()
-                g = pattern[b, :, i, j] / total if total > 0 else torch.full((heads,), 1 / heads)
-                for h in range(heads):
-                    T[b, i, j] += heads * g[h] * (W_V[h] @ W_O[h])
-    return T
 
 
 def test_walk_and_gates_definitions():
@@ -56,10 +44,7 @@ def test_gates_with_autograd_are_the_same_values_and_differentiable():
 
 def test_propagate_equals_per_edge_sum_and_attention():
     pattern, field, W_V, W_O, b_V, b_O = random_problem()
-    T = dense_edge_transports(pattern, W_V, W_O)
-    W = core.walk_matrix(pattern)
-    by_edges = einsum(W, field, T, "b i j, b j f, b i j f e -> b i e")
-    assert_close(core.propagate(pattern, field, W_V, W_O), by_edges)
+    assert_close(core.propagate(pattern, field, W_V, W_O), ref.apply(pattern, field, W_V, W_O))
     # and P X + c is multi-head attention written the usual way
     values = einsum(field, W_V, "b k d, h d e -> b k h e") + b_V
     z = einsum(pattern, values, "b h q k, b k h e -> b q h e")
@@ -72,7 +57,7 @@ def test_propagate_equals_per_edge_sum_and_attention():
 
 def test_edge_transport_matches_hand_built():
     pattern, _, W_V, W_O, *_ = random_problem()
-    T = dense_edge_transports(pattern, W_V, W_O)
+    T = ref.effective_transports(ref.gates(pattern), W_V, W_O)
     lazy = core.EffectiveTransport(core.gates(pattern), W_V, W_O)
     for i, j in [(0, 0), (3, 1), (4, 4), (1, 3)]:
         assert_close(lazy[i, j].AB, T[:, i, j])
@@ -126,6 +111,5 @@ def test_walk_gate_split_is_exact(batch, heads, pos, seed, causal, dead_head, dt
     assert torch.isfinite(g).all()
     assert_close(g.sum(1), torch.ones_like(W))
     assert_close(core.patterns_from_walk(W, g), pattern)
-    dense = dense_edge_transports(pattern.double(), W_V.double(), W_O.double())
-    by_edges = einsum(W.double(), field.double(), dense, "b i j, b j f, b i j f e -> b i e")
+    by_edges = ref.apply(pattern, field, W_V, W_O)
     assert_close(core.propagate(pattern, field, W_V, W_O), by_edges.to(dtype))
