@@ -404,6 +404,19 @@ def bootstrap(values: list[float], clusters: list[Any], seed: int = 0) -> tuple[
 # ----------------------------------------------------------------------------- ladder
 
 
+def repeated(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` with a one-sequence frozen value tiled over a batch of blocked runs (also
+    where the activation is flattened, batch first, as in a query/key norm)."""
+
+    def tiled(activation: Tensor, hook_point: Any) -> Any:
+        out = hook(activation, hook_point)
+        if isinstance(out, Tensor) and out.shape[0] != activation.shape[0]:
+            out = out.repeat(activation.shape[0] // out.shape[0], *[1] * (out.ndim - 1))
+        return out
+
+    return tiled
+
+
 def ladder(model: nn.Module, group: list[Target]) -> list[dict[str, Any]]:
     """Knockout of one decoder window with kinds of nonlinearity frozen as the connection
     method freezes them; rank correlations with connection and with the full knockout."""
@@ -423,7 +436,7 @@ def ladder(model: nn.Module, group: list[Target]) -> list[dict[str, Any]]:
 
     rows = []
     for label, chosen in kinds.items():
-        extra = [(name, hook) for name, hook in hooks if chosen(name)]
+        extra = [(name, repeated(hook)) for name, hook in hooks if chosen(name)]
         with torch.no_grad():
             blocked = baselines.block_keys(model, tokens[:1], one_each, read, extra)[:, 0].T
         for b, t in enumerate(group):
