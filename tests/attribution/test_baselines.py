@@ -10,14 +10,16 @@ from tests.tolerances import rtol
 
 
 def knocked_out_by_renormalising(model, toks, source, token, position):
-    """The target with key ``source`` blocked for every other query in every layer, done after
-    the softmax: column ``source`` zeroed off the diagonal and each row renormalised (what a
-    ``-inf`` score does to a softmax)."""
+    """The target with key ``source`` (an int or a list of keys) blocked for every other query
+    in every layer, done after the softmax: column ``source`` zeroed off the diagonal and each
+    row renormalised (what a ``-inf`` score does to a softmax)."""
+    sources = [source] if isinstance(source, int) else source
 
     def renormalise(pattern, hook):
         keep = torch.ones_like(pattern)
-        keep[..., source] = 0
-        keep[..., source, source] = 1
+        for s in sources:
+            keep[..., s] = 0
+            keep[..., s, s] = 1
         pattern = pattern * keep
         return pattern / pattern.sum(-1, keepdim=True)
 
@@ -51,6 +53,35 @@ def test_knockout_is_the_renormalised_pattern(arch_, monkeypatch):
 
     monkeypatch.setattr(baselines, "KNOCKOUT_CHUNK", 4)  # several chunks, the last one short
     check_knockout(build(arch_, dtype=torch.float64), tokens())
+
+
+@hooked_only
+def test_block_keys_blocks_each_run_its_own_set(monkeypatch):
+    """Runs with several keys blocked at once, a different set per sequence, chunked."""
+    from tl_connwalk.attribution import baselines
+
+    monkeypatch.setattr(baselines, "KNOCKOUT_CHUNK", 2)
+    model = build("llama_gqa_rotary", dtype=torch.float64)
+    toks = tokens()
+    sets = [[[0, 3], [1]], [[2, 4, 5], []], [[6], [0, 1, 2, 3]]]  # [run][sequence] -> keys
+    keys = torch.zeros(len(sets), toks.shape[0], toks.shape[1], dtype=torch.bool)
+    for r, per_sequence in enumerate(sets):
+        for b, blocked in enumerate(per_sequence):
+            keys[r, b, blocked] = True
+    got = baselines.block_keys(model, toks, keys, lambda logits, final: logits[:, 6, 5])
+    expected = torch.stack(
+        [
+            torch.stack(
+                [
+                    knocked_out_by_renormalising(model, toks[b : b + 1], blocked, 5, 6)[0]
+                    for b, blocked in enumerate(per_sequence)
+                ]
+            )
+            for per_sequence in sets
+        ]
+    )
+    atol = tolerances.atol(got.dtype, scale=expected.abs().max().item())
+    torch.testing.assert_close(got, expected, rtol=0, atol=atol)
 
 
 def test_bridge_knockout():

@@ -8,22 +8,24 @@
 - ``"knockout"``, ground truth by intervention: ``s_s = y - y_s`` where ``y_s`` is the target
   when no other query, in any layer, may attend to key ``s`` (its pre-softmax score, at
   ``attn.hook_attn_scores``, set to ``-inf``; position ``s`` still attends to itself). One
-  forward pass per source, ``chunk`` sources batched in each.
+  forward pass per source, ``chunk`` sources batched in each. `block_keys` blocks any sets of
+  keys the same way (deletion and insertion curves block the top-ranked sources, or all the
+  others).
 
 The layer-wise baselines (``"attention_norm"``, ``"alti"``, ``"value_zeroing"``) are in
 `tl_connwalk.attribution.layerwise` and `tl_connwalk.attribution.mixing`. None is complete:
 a baseline's ``bias`` is what it leaves unexplained, ``y - sum_s s_s``.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from jaxtyping import Float
-from torch import Tensor
+from jaxtyping import Bool, Float, Int
+from torch import Tensor, nn
 
 from tl_connwalk.attribution import targets
-from tl_connwalk.attribution.frozen import FrozenNetwork, config
+from tl_connwalk.attribution.frozen import FrozenNetwork, config, final_resid_hook
 
 #: sources knocked out per forward pass
 KNOCKOUT_CHUNK = 16
@@ -68,33 +70,64 @@ def grad_x_input(frozen: FrozenNetwork, target: targets.Target) -> Float[Tensor,
     return scores.detach()
 
 
+def block_keys(
+    model: nn.Module,
+    tokens: Int[Tensor, "batch pos"],
+    keys: Bool[Tensor, "run batch key"],
+    read: Callable[[Tensor, Tensor], Tensor],
+    extra_hooks: Sequence[tuple[str, Callable[..., Any]]] = (),
+    read_hook: str | None = None,
+) -> Tensor:
+    """What ``read`` sees when, in each run, some keys are blocked for every other query.
+
+    In run ``r`` sequence ``b`` is the clean ``tokens[b]`` with each key ``s`` where
+    ``keys[r, b, s]`` kept from every query but itself, in every layer (its pre-softmax score
+    at ``attn.hook_attn_scores`` set to ``-inf``). ``chunk`` = `KNOCKOUT_CHUNK` runs go
+    through the model per forward pass, as a batch of ``chunk * batch`` rows (run-major);
+    ``read(logits, activation)`` turns that pass's outputs into one value (or a row of
+    values) per row; ``activation`` is the final residual, or the activation at ``read_hook``
+    when given. ``extra_hooks`` run in every pass (e.g. frozen normalisation scales).
+
+    Returns:
+        ``[run, batch, ...]``: what ``read`` gave for each run and sequence.
+    """
+    batch, n_pos = tokens.shape
+    names = [f"blocks.{layer}.attn.hook_attn_scores" for layer in range(config(model).n_layers)]
+    final: dict[str, Tensor] = {}
+    read_final = (read_hook or final_resid_hook(model), lambda x, hook: final.update(r=x))
+    not_self = ~torch.eye(n_pos, dtype=torch.bool, device=keys.device)
+    values = []
+    for start in range(0, keys.shape[0], KNOCKOUT_CHUNK):
+        chunk = keys[start : start + KNOCKOUT_CHUNK]
+        k = chunk.shape[0]
+        blocked = chunk.reshape(k * batch, 1, 1, n_pos) & not_self  # [row, 1, query, key]
+
+        def block(attn_scores: Tensor, hook: Any, blocked: Tensor = blocked) -> Tensor:
+            return attn_scores.masked_fill(blocked, float("-inf"))
+
+        hooks: list[tuple[str, Callable[..., Any]]] = [(name, block) for name in names]
+        hooks += [read_final, *extra_hooks]
+        with torch.no_grad():
+            logits = model.run_with_hooks(tokens.repeat(k, 1), fwd_hooks=hooks)  # type: ignore[operator]
+        value = read(logits, final["r"])
+        values.append(value.reshape(k, batch, *value.shape[1:]))
+    return torch.cat(values)
+
+
 def knockout(
     frozen: FrozenNetwork, target: targets.Target, clean: Float[Tensor, " batch"]
 ) -> Float[Tensor, "batch source"]:
     """``y - y_s``: the target's drop when key ``s`` is blocked for every other query."""
-    model = frozen.model
     batch, n_pos = frozen.tokens.shape
-    names = [f"blocks.{layer}.attn.hook_attn_scores" for layer in range(config(model).n_layers)]
-    scores = torch.zeros(batch, n_pos, dtype=clean.dtype, device=clean.device)
-    final: dict[str, Tensor] = {}
-    read_final = (targets.read_at(target, model), lambda x, hook: final.update(r=x))
-    for start in range(0, n_pos, KNOCKOUT_CHUNK):
-        sources = torch.arange(start, min(start + KNOCKOUT_CHUNK, n_pos))
-        k = len(sources)
-        blocked = torch.zeros(k, 1, n_pos, n_pos, dtype=torch.bool, device=clean.device)
-        blocked[torch.arange(k), 0, :, sources] = True
-        blocked[torch.arange(k), 0, sources, sources] = False
+    one_each = torch.eye(n_pos, dtype=torch.bool, device=clean.device)[:, None].expand(
+        n_pos, batch, n_pos
+    )
 
-        def block(attn_scores: Tensor, hook: Any, blocked: Tensor = blocked) -> Tensor:
-            mask = blocked.repeat_interleave(batch, 0)
-            return attn_scores.masked_fill(mask, float("-inf"))
+    def read(logits: Tensor, activation: Tensor) -> Tensor:
+        k = activation.shape[0] // batch
+        return targets.clean_value(target.repeat(k), logits, activation)
 
-        hooks: list[tuple[str, Callable[..., Any]]] = [(name, block) for name in names]
-        hooks.append(read_final)
-        with torch.no_grad():
-            logits = model.run_with_hooks(  # type: ignore[operator]
-                frozen.tokens.repeat(k, 1), fwd_hooks=hooks
-            )
-        knocked = targets.clean_value(target.repeat(k), logits, final["r"]).reshape(k, batch)
-        scores[:, sources] = (clean[None] - knocked).T.to(scores)
-    return scores
+    knocked = block_keys(
+        frozen.model, frozen.tokens, one_each, read, read_hook=targets.read_at(target, frozen.model)
+    )
+    return (clean[None] - knocked).T.to(clean.dtype)
