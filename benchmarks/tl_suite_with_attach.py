@@ -9,7 +9,8 @@ TransformerLens's tests three times, each in its own pytest process,
   included, calls it as it returns);
 - ``detach``: ``attach`` then ``detach`` on every such model;
 
-and compares the outcome (passed, failed, error, skipped, xfailed, xpassed) test by test. A model
+and compares the outcome (passed, failed, error, skipped, xfailed, xpassed) test by test (a
+test file that fails to import is one ``error`` and the others still run). A model
 that ``attach`` refuses with a ``ConnWalkError`` is left as built and counted; any other
 exception from ``attach`` fails the test that built the model, and shows as a difference.
 
@@ -161,7 +162,8 @@ def _run(mode: str, args: argparse.Namespace, shadow: Path) -> dict[str, str]:
     )
     command = [
         args.python, "-m", "pytest", "-p", "tl_suite_with_attach", "-p", "no:cacheprovider",
-        "-o", "addopts=", "-q", "--no-header", f"--junitxml={junit}",
+        "-o", "addopts=", "-q", "--no-header", "--continue-on-collection-errors",
+        f"--junitxml={junit}",
         *(["-x"] if args.exitfirst else []), *args.paths,
     ]  # fmt: skip
     print(f"[{mode}] {' '.join(command)}", flush=True)

@@ -200,8 +200,16 @@ def _layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     blocks = getattr(bridge, "blocks", None)
     attns = [getattr(block, "attn", None) for block in blocks or ()]
     if not attns or not all(isinstance(attn, nn.Module) for attn in attns):
+        stacks = [name for name in ("encoder_blocks", "decoder_blocks") if hasattr(bridge, name)]
+        kind = (
+            f"an encoder-decoder model (layers {' and '.join(stacks)}, with cross-attention)"
+            if stacks
+            else "a model"
+        )
         raise ConnWalkError(
-            f"this {type(bridge).__name__} has no attention layers blocks.{{l}}.attn to hook"
+            f"this {type(bridge).__name__} is {kind} without attention layers blocks.{{l}}.attn "
+            "to hook: tl_connwalk supports decoder-only and encoder-only models, whose "
+            "self-attention layers are blocks.{l}.attn."
         )
     return [(f"blocks.{i}.attn", cast(nn.Module, attn)) for i, attn in enumerate(attns)]
 

@@ -7,8 +7,10 @@ so it is the field. Patterns are ``blocks.{l}.attn.hook_pattern`` (padding-maske
 zero weight, so an encoder's walk is over its unmasked keys). The Bridge's ``attn.W_V`` /
 ``b_V`` keep the unexpanded key-value heads of grouped-query models; the walk expands them
 and records which value head each query head reads (``ConnectionWalk.kv_heads``).
-Missing biases (Llama, Gemma) are zero. The attention module's own output is
-``blocks.{l}.attn.hook_out`` (before ``ln1_post`` in Gemma 2/3).
+Missing biases (Llama, Gemma) are zero. The attention's own output is
+``blocks.{l}.attn.o.hook_out``; ``blocks.{l}.attn.hook_out`` is the same in most architectures,
+but after ``ln1_post`` in Gemma 2/3 and with the residual stream added in BLOOM (whose attention
+module adds it).
 """
 
 from typing import cast

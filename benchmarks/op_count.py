@@ -1,0 +1,136 @@
+"""Operations dispatched by each measurement, against the forward pass that made the cache.
+
+On a GPU every dispatched operation is a kernel launch, and the measurements are bound by their
+number rather than by their arithmetic. This counts them (`tl_connwalk.debug`: every ``aten``
+operation, deterministic, no GPU needed) on a warm model (its head Grams already computed, as
+for every cache after a model's first), for
+
+- ``gpt2``: a random GPT-2-small shape (12 layers, d_model 768, 12 heads);
+- ``llama16``: a random 16-layer Llama-style grouped-query model (d_model 512, 8 heads, 4 KV
+  heads);
+- ``smollm2``: SmolLM2-135M from `tl_connwalk.zoo` (a ``TransformerBridge``; converted and
+  cached on first use);
+
+each with one sequence of 256 tokens (``--tokens``). ``forward`` is the ``run_with_cache(tokens)``
+pass that made the cache (every hook point cached), ``forward_lean`` the same pass with
+``names_filter=tl_connwalk.required_hooks(model)``. Per measurement it prints the operations
+summed over the layers, per layer, and as a multiple of ``forward``:
+``walk`` (``connection_walk`` of each layer), ``residual`` (``laplacian_residual`` with its
+8 baseline draws, on a walk built beforehand), ``isometry`` (``isometry_defects``, the same),
+``drift`` (``layer_drift`` of the cache) and ``table`` (``geometry_table`` as a whole). With
+``--repeats N`` (default 5) it also times ``geometry_table`` against ``run_with_cache``,
+interleaved, and reports the ratio of the medians (``table_time_ratio``).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/op_count.py            # all three models
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/op_count.py gpt2 --repeats 0
+
+One JSON line per model.
+"""
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import tl_connwalk
+from tl_connwalk.cache import n_layers_of
+from tl_connwalk.debug import count_operations, operations_of
+from tl_connwalk.toy import VOCAB, random_bridge
+
+MODELS = ("gpt2", "llama16", "smollm2")
+
+
+def build(name: str, n_pos: int) -> nn.Module:
+    """One of `MODELS`, attached."""
+    if name == "gpt2":
+        model = random_bridge("gpt2", n_layers=12, d_model=768, n_heads=12, scale=0.02, n_ctx=n_pos)
+    elif name == "llama16":
+        model = random_bridge("llama", n_layers=16, d_model=512, n_heads=8, n_ctx=n_pos)
+    else:
+        model = tl_connwalk.zoo.load("smollm2-135m", backend="bridge", progress=False)
+    return tl_connwalk.attach(model)
+
+
+def tokens_for(model: nn.Module, n_pos: int) -> torch.Tensor:
+    vocab = min(VOCAB, model.cfg.d_vocab)
+    return torch.randint(0, vocab, (1, n_pos), generator=torch.Generator().manual_seed(1))
+
+
+def _median_time(fn: Callable[[], object], other: Callable[[], object], repeats: int) -> float:
+    """Median of ``repeats`` timings of ``fn / other``, interleaved (``fn`` then ``other``)."""
+    times: dict[str, list[float]] = {"fn": [], "other": []}
+    for _ in range(repeats):
+        for key, call in (("other", other), ("fn", fn)):
+            start = time.perf_counter()
+            call()
+            times[key].append(time.perf_counter() - start)
+    return statistics.median(times["fn"]) / statistics.median(times["other"])
+
+
+def measure(name: str, n_pos: int, repeats: int) -> dict[str, Any]:
+    model = build(name, n_pos)
+    tokens = tokens_for(model, n_pos)
+    names = tl_connwalk.required_hooks(model)
+
+    def forward() -> Any:
+        return model.run_with_cache(tokens)[1]
+
+    def forward_lean() -> Any:
+        return model.run_with_cache(tokens, names_filter=names)[1]
+
+    def table() -> object:
+        return tl_connwalk.geometry_table(cache, progress=False)
+
+    with torch.no_grad():
+        cache = forward()
+        table()  # warm: the head Grams of every layer are computed once per set of weights
+        counts = {"forward": operations_of(forward).total}
+        counts["forward_lean"] = operations_of(forward_lean).total
+        layers = range(n_layers_of(cache))
+        per_layer: dict[str, list[int]] = {"walk": [], "residual": [], "isometry": []}
+        for layer in layers:
+            with count_operations() as built:
+                walk = tl_connwalk.connection_walk(cache, layer)
+            per_layer["walk"].append(built.total)
+            per_layer["residual"].append(operations_of(walk.laplacian_residual).total)
+            walk = tl_connwalk.connection_walk(cache, layer)
+            per_layer["isometry"].append(operations_of(walk.isometry_defects).total)
+        counts |= {key: sum(values) for key, values in per_layer.items()}
+        counts["drift"] = operations_of(lambda: tl_connwalk.layer_drift(cache)).total
+        table_count = operations_of(table)
+        counts["table"] = table_count.total
+        timing = _median_time(table, forward, repeats) if repeats else None
+    return {
+        "model": name,
+        "tokens": n_pos,
+        "layers": len(layers),
+        "torch": torch.__version__,
+        "operations": counts,
+        "per_layer": {key: sum(values) / len(layers) for key, values in per_layer.items()},
+        "per_forward": {key: round(n / counts["forward"], 2) for key, n in counts.items()},
+        "table_most_common": table_count.most_common(8),
+        "table_time_ratio": timing,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("models", nargs="*", help=f"some of {', '.join(MODELS)} (default: all)")
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5, help="timings (0: counts only)")
+    args = parser.parse_args()
+    unknown = set(args.models) - set(MODELS)
+    if unknown:
+        parser.error(f"unknown models {sorted(unknown)}; choose from {MODELS}")
+    torch.set_num_threads(1)
+    for name in args.models or MODELS:
+        print(json.dumps(measure(name, args.tokens, args.repeats)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Count the tensor operations a piece of code dispatches: the unit of cost on a GPU.
+
+On a GPU each small operation is a kernel launch, and a measurement that launches many of them
+is bound by the host's Python and the launch latency rather than by the arithmetic. Counting
+the operations that reach PyTorch's dispatcher (``aten`` operators, after autograd and after
+composite operations are split into the ones that run) measures that cost on any device,
+without a GPU, and without timing noise: the same code on the same shapes dispatches the same
+operations.
+
+>>> from tl_connwalk.debug import count_operations
+>>> with count_operations() as counted:
+...     _ = torch.ones(3) + 1
+>>> counted.total, counted.by_operation["aten.add"]
+(2, 1)
+"""
+
+import collections
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+@dataclass
+class OperationCount:
+    """The operations dispatched inside a `count_operations` block.
+
+    ``total``: every dispatched operator call; ``by_operation``: the calls per operator,
+    keyed by its name without the overload (``"aten.mm"``, ``"aten.add"``).
+    """
+
+    by_operation: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    @property
+    def total(self) -> int:
+        """Every dispatched operator call."""
+        return sum(self.by_operation.values())
+
+    def most_common(self, n: int = 10) -> list[tuple[str, int]]:
+        """The ``n`` most called operators with their counts, most called first."""
+        return self.by_operation.most_common(n)
+
+
+class _Counter(TorchDispatchMode):
+    """A dispatch mode that records each operator call into ``count`` and runs it unchanged."""
+
+    def __init__(self, count: OperationCount) -> None:
+        super().__init__()
+        self.count = count
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        self.count.by_operation[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def count_operations() -> Iterator[OperationCount]:
+    """Count every ``aten`` operation dispatched inside the ``with`` block (`OperationCount`).
+
+    Results are unchanged: each operation runs as it would without the counter. The count
+    covers the calling thread (the dispatch mode is thread-local), on every device.
+
+    >>> with count_operations() as counted:
+    ...     logits = model(tokens)
+    >>> counted.by_operation["aten._softmax"] == model.cfg.n_layers  # one per attention layer
+    True
+    """
+    count = OperationCount()
+    with _Counter(count):
+        yield count
+
+
+def operations_of(fn: Callable[[], object]) -> OperationCount:
+    """`count_operations` of one call of ``fn`` (its result is dropped)."""
+    with count_operations() as counted:
+        fn()
+    return counted
