@@ -1,5 +1,6 @@
 """`attribute`: one call for every attribution method, one `Attribution` record back."""
 
+import functools
 from typing import Literal, get_args
 
 import torch
@@ -10,6 +11,7 @@ from tl_connwalk.attribution import baselines, targets
 from tl_connwalk.attribution.connection import connection
 from tl_connwalk.attribution.frozen import FrozenNetwork, pattern_hooks
 from tl_connwalk.attribution.record import Attribution
+from tl_connwalk.attribution.routes import route_table
 from tl_connwalk.errors import ConnWalkError
 
 Method = Literal["connection", "grad_x_input", "knockout", "rollout"]
@@ -121,4 +123,5 @@ def attribute(
         method=method,
         _components=result.components,
         _edges=result.edges,
+        _routes=functools.cache(lambda max_length: route_table(frozen, target_, max_length)),
     )
