@@ -1,7 +1,7 @@
 """`attribute`: one call for every attribution method, one `Attribution` record back."""
 
 import functools
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor, nn
@@ -17,29 +17,89 @@ from tl_connwalk.errors import ConnWalkError
 Method = Literal["connection", "grad_x_input", "knockout", "rollout"]
 
 
-def _tokens(model: nn.Module, input: str | list[str] | Tensor) -> Tensor:
+def _tokens(
+    model: nn.Module, input: str | list[str] | Tensor, attention_mask: Tensor | None
+) -> tuple[Tensor, Tensor | None]:
+    """Tokens ``[batch, pos]`` and the padding mask (``None``: no padding)."""
     if isinstance(input, Tensor):
         if input.is_floating_point() or input.ndim not in (1, 2):
             raise ConnWalkError(
                 f"input must be tokens [batch, pos] (integers) or text; got {input.dtype} "
                 f"{tuple(input.shape)}."
             )
-        return input if input.ndim == 2 else input[None]
+        tokens = input if input.ndim == 2 else input[None]
+        return tokens, _checked_mask(attention_mask, tokens)
     if isinstance(input, str):
         input = [input]
-    if isinstance(input, list) and all(isinstance(text, str) for text in input):
-        lengths = {len(model.to_tokens(text)[0]) for text in input}  # type: ignore[operator]
-        if len(lengths) > 1:
-            raise ConnWalkError(
-                "these texts tokenise to different lengths; pass them one at a time, or pass "
-                "tokens with a position per sequence."
-            )
-        tokens: Tensor = model.to_tokens(input)  # type: ignore[operator]
-        return tokens
-    raise ConnWalkError(
-        f"input must be tokens [batch, pos] or text (a string or a list of strings), got "
-        f"{type(input).__name__}."
-    )
+    if not (isinstance(input, list) and input and all(isinstance(t, str) for t in input)):
+        raise ConnWalkError(
+            f"input must be tokens [batch, pos] or text (a string or a list of strings), got "
+            f"{type(input).__name__}."
+        )
+    if attention_mask is not None:
+        raise ConnWalkError(
+            "attention_mask goes with tokens; texts are padded and masked here. Pass tokens and "
+            "their mask, or texts alone."
+        )
+    pieces = [_text_tokens(model, text) for text in input]
+    lengths = [len(piece) for piece in pieces]
+    n_pos = max(lengths)
+    if min(lengths) == n_pos:
+        return torch.stack(pieces), None
+    tokenizer: Any = getattr(model, "tokenizer", None)
+    left = getattr(tokenizer, "padding_side", "right") == "left"
+    pad = getattr(tokenizer, "pad_token_id", None)
+    pad = 0 if pad is None else int(pad)
+    tokens = torch.full((len(pieces), n_pos), pad, dtype=pieces[0].dtype)
+    mask = torch.zeros(len(pieces), n_pos, dtype=torch.long)
+    for row, piece in enumerate(pieces):
+        start = n_pos - len(piece) if left else 0
+        tokens[row, start : start + len(piece)] = piece
+        mask[row, start : start + len(piece)] = 1
+    return tokens.to(pieces[0].device), mask.to(pieces[0].device)
+
+
+def _text_tokens(model: nn.Module, text: str) -> Tensor:
+    tokens: Any = model.to_tokens(text)  # type: ignore[operator]
+    return (tokens[0] if isinstance(tokens, tuple) else tokens)[0]  # an encoder's tuple
+
+
+def _checked_mask(attention_mask: Tensor | None, tokens: Tensor) -> Tensor | None:
+    """``attention_mask`` as 0/1 integers on the tokens' device; ``None`` if nothing is padding."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, Tensor) or attention_mask.shape != tokens.shape:
+        shape = getattr(attention_mask, "shape", type(attention_mask).__name__)
+        raise ConnWalkError(
+            f"attention_mask must be [batch, pos] = {tuple(tokens.shape)} like the tokens "
+            f"(1: real token, 0: padding), got {shape}."
+        )
+    mask = (attention_mask != 0).long().to(tokens.device)
+    if not bool(mask.any(-1).all()):
+        b = int((~mask.any(-1)).nonzero()[0])
+        raise ConnWalkError(f"attention_mask has no real token in sequence {b}.")
+    return None if bool(mask.all()) else mask
+
+
+def _real_position(position: int | Tensor, mask: Tensor) -> Tensor:
+    """``position`` counted over each sequence's real tokens (``-1``: its last real token) as
+    an index into the padded batch ``[batch]``."""
+    counts = mask.sum(-1)
+    pos = torch.as_tensor(position, device=mask.device)
+    if pos.is_floating_point() or pos.ndim > 1 or pos.numel() not in (1, len(mask)):
+        raise ConnWalkError(
+            f"position must be an int or one per sequence ([{len(mask)}] integers), got "
+            f"{position!r}."
+        )
+    pos = pos.reshape(-1).expand(len(mask)).long()
+    if ((pos < -counts) | (pos >= counts)).any():
+        raise ConnWalkError(
+            f"position {pos.tolist()} is out of range for sequences of {counts.tolist()} real "
+            "tokens (with padding, positions count each sequence's real tokens; -1 is its last)."
+        )
+    nth = pos % counts  # the nth real token
+    ranks = mask.cumsum(-1) - 1
+    return ((ranks == nth[:, None]) & (mask != 0)).long().argmax(-1)
 
 
 def attribute(
@@ -49,6 +109,7 @@ def attribute(
     target: targets.TargetSpec = None,
     position: int | Tensor = -1,
     method: Method = "connection",
+    attention_mask: Tensor | None = None,
 ) -> Attribution:
     """Split a target output over the source tokens that made it (spec §6).
 
@@ -63,13 +124,15 @@ def attribute(
     Args:
         model: a TransformerLens ``HookedTransformer``, ``HookedEncoder`` (a masked position's
             logit) or decoder ``TransformerBridge``.
-        input: tokens ``[batch, pos]`` (or ``[pos]``), a text, or texts of one length.
+        input: tokens ``[batch, pos]`` (or ``[pos]``), a text, or texts (of any lengths:
+            padded on the tokenizer's side, then masked).
         target: ``None``: the top predicted token's logit; a token id (or ``[batch]`` ids):
             its logit; ``(token, other)``: ``logit(token) - logit(other)``; a float
             ``[d_model]`` (or ``[batch, d_model]``) direction ``u``: ``u . r_final``, with
             ``r_final`` the residual after the last block, before the final norm.
         position: the position the target is read at (an int, negative from the end, or
-            ``[batch]`` ints).
+            ``[batch]`` ints). In a padded batch it counts each sequence's real tokens (``-1``:
+            its last real token); ``Attribution.position`` is the index in the padded batch.
         method: ``"connection"``, the exact method; or a baseline (see
             `tl_connwalk.attribution.baselines`): ``"grad_x_input"`` (the real gradient times
             the embeddings) or ``"knockout"`` (ground truth by intervention: the target's drop
@@ -77,6 +140,10 @@ def attribute(
             source), or ``"rollout"`` (attention rollout: head-mean patterns with the
             identity, multiplied over layers; a distribution over sources). A baseline's
             ``bias`` is what it leaves unexplained.
+        attention_mask: ``[batch, pos]`` with tokens: 1 on real tokens, 0 on padding (left or
+            right), as ``run_with_cache`` takes it. Padding sends nothing and counts nowhere:
+            its scores are 0, it is left out of `Attribution.routes` and
+            `Attribution.to_dataframe`, and each sequence's scores are those it has alone.
 
     Returns:
         An `Attribution`: ``scores`` ``[batch, source]``, ``bias`` and ``target_value``
@@ -90,8 +157,10 @@ def attribute(
     adapter_for(model)  # a supported model class, or a ConnWalkError naming them
     if method not in get_args(Method):
         raise ConnWalkError(f"unknown method {method!r}; choose one of {get_args(Method)}.")
-    tokens = _tokens(model, input)
-    frozen = FrozenNetwork.from_clean_run(model, tokens)
+    tokens, mask = _tokens(model, input, attention_mask)
+    frozen = FrozenNetwork.from_clean_run(model, tokens, mask)
+    if mask is not None:
+        position = _real_position(position, mask)
     target_ = targets.resolve(target, position, frozen.logits)
     clean = targets.clean_value(target_, frozen.logits, frozen.final_resid)
     if method != "connection":
@@ -103,6 +172,8 @@ def attribute(
             patterns = torch.stack([frozen.frozen[name] for name in pattern_hooks(model)])
             rows = torch.arange(len(target_.position), device=patterns.device)
             scores = baselines.rollout(patterns)[rows, target_.position].to(clean)
+        if mask is not None:
+            scores = scores * mask.to(scores)
         return Attribution(
             scores=scores,
             bias=(clean - scores.sum(-1)).detach(),
@@ -111,6 +182,7 @@ def attribute(
             position=target_.position,
             targets=tuple(target_.describe()),
             method=method,
+            attention_mask=mask,
         )
     result = connection(frozen, target_, clean)
     return Attribution(
@@ -121,6 +193,7 @@ def attribute(
         position=target_.position,
         targets=tuple(target_.describe()),
         method=method,
+        attention_mask=mask,
         _components=result.components,
         _edges=result.edges,
         _routes=functools.cache(lambda max_length: route_table(frozen, target_, max_length)),

@@ -56,7 +56,7 @@ def grad_x_input(frozen: FrozenNetwork, target: targets.Target) -> Float[Tensor,
     ]
     hooks.append((final_resid_hook(frozen.model), lambda x, hook: final.update(r=x)))
     with torch.enable_grad():
-        logits = frozen.model.run_with_hooks(frozen.tokens, fwd_hooks=hooks)  # type: ignore[operator]
+        logits = frozen.run_model(hooks)
         y = targets.clean_value(target, logits, final["r"])
         grads = torch.autograd.grad(y.sum(), list(leaves.values()), allow_unused=True)
     scores = torch.zeros_like(frozen.tokens, dtype=y.dtype)
@@ -90,9 +90,7 @@ def knockout(
         hooks: list[tuple[str, Callable[..., Any]]] = [(name, block) for name in names]
         hooks.append(read_final)
         with torch.no_grad():
-            logits = model.run_with_hooks(  # type: ignore[operator]
-                frozen.tokens.repeat(k, 1), fwd_hooks=hooks
-            )
+            logits = frozen.run_model(hooks, repeat=k)
         repeated = targets.Target(
             target.kind,
             target.position.repeat(k),

@@ -27,6 +27,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor, nn
 
+from tl_connwalk.adapters.hooked_transformer import is_encoder
 from tl_connwalk.errors import ConnWalkError
 
 #: the hook points whose outputs are the input embeddings, wherever a model class has them
@@ -93,6 +94,8 @@ class FrozenNetwork:
         embeddings: embedding hook name -> clean value ``[batch, pos, d_model]``.
         logits: the clean run's logits ``[batch, pos, d_vocab]``.
         final_resid: the clean residual after the last block ``[batch, pos, d_model]``.
+        attention_mask: ``[batch, pos]`` 1 on real tokens, 0 on padding, as the model ran with
+            it (``None``: no padding).
     """
 
     model: nn.Module
@@ -103,10 +106,17 @@ class FrozenNetwork:
     embeddings: Mapping[str, Tensor]
     logits: Tensor
     final_resid: Tensor
+    attention_mask: Tensor | None = None
 
     @classmethod
-    def from_clean_run(cls, model: nn.Module, tokens: Int[Tensor, "batch pos"]) -> "FrozenNetwork":
-        """Run ``model`` on ``tokens`` once with a cache and freeze it there."""
+    def from_clean_run(
+        cls,
+        model: nn.Module,
+        tokens: Int[Tensor, "batch pos"],
+        attention_mask: Int[Tensor, "batch pos"] | None = None,
+    ) -> "FrozenNetwork":
+        """Run ``model`` on ``tokens`` (and its ``attention_mask``) once with a cache and freeze
+        it there."""
         hook_dict: Mapping[str, Any] = model.hook_dict  # type: ignore[assignment]
         names = list(hook_dict)
         _unsupported(names)
@@ -127,7 +137,9 @@ class FrozenNetwork:
         }
         with torch.no_grad(), _module_hooks(taps):
             logits, cache = model.run_with_cache(  # type: ignore[operator]
-                tokens, names_filter=lambda name: name in wanted or name == final
+                tokens,
+                names_filter=lambda name: name in wanted or name == final,
+                **mask_kwargs(model, attention_mask),
             )
         head_gains = {path: _gain(*seen[path]) for path in seen}
         frozen = {name: cache[name] for name in cache if _is_frozen_in_place(name)}
@@ -144,7 +156,17 @@ class FrozenNetwork:
                 f"{type(model).__name__} fired none of the embedding hooks {EMBEDDING_HOOKS}; "
                 "attribution splits the output over them (spec §6)."
             )
-        return cls(model, tokens, frozen, gains, head_gains, embeddings, logits, cache[final])
+        return cls(
+            model,
+            tokens,
+            frozen,
+            gains,
+            head_gains,
+            embeddings,
+            logits,
+            cache[final],
+            attention_mask,
+        )
 
     def hooks(
         self,
@@ -205,10 +227,26 @@ class FrozenNetwork:
         with warnings.catch_warnings(), _module_hooks(frozen_heads):
             # a Bridge's native-norm path warns that an edited hook_scale changes its rounding
             warnings.filterwarnings("ignore", message=".*edited hook_scale")
-            logits: Tensor = self.model.run_with_hooks(  # type: ignore[operator]
-                self.tokens, fwd_hooks=hooks
-            )
+            logits = self.run_model(hooks)
         return logits
+
+    def run_model(self, hooks: list[tuple[str, HookFn]], repeat: int = 1) -> Tensor:
+        """The model's logits on its tokens (each sequence ``repeat`` times, with the padding
+        mask), with ``hooks``."""
+        mask = None if self.attention_mask is None else self.attention_mask.repeat(repeat, 1)
+        logits: Tensor = self.model.run_with_hooks(  # type: ignore[operator]
+            self.tokens.repeat(repeat, 1), fwd_hooks=hooks, **mask_kwargs(self.model, mask)
+        )
+        return logits
+
+
+def mask_kwargs(model: nn.Module, attention_mask: Tensor | None) -> dict[str, Tensor]:
+    """The keyword that hands a padding mask to ``model``'s forward (none without a mask)."""
+    if attention_mask is None:
+        return {}
+    if is_encoder(model):
+        return {"one_zero_attention_mask": attention_mask}
+    return {"attention_mask": attention_mask}
 
 
 def _gain(z: Tensor, activation: Tensor) -> Tensor:

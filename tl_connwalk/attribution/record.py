@@ -31,6 +31,8 @@ class Attribution:
         position: ``[batch]`` the position the target was read at.
         targets: one label per sequence, e.g. ``logit[17] @ 8``.
         method: the method that made the scores.
+        attention_mask: ``[batch, source]`` 1 on real tokens, 0 on padding (``None``: no
+            padding); padding's scores are 0.
 
     Examples:
         >>> result = tl_connwalk.attribute(model, tokens)
@@ -46,6 +48,7 @@ class Attribution:
     position: Int[Tensor, " batch"]
     targets: tuple[str, ...]
     method: str
+    attention_mask: Int[Tensor, "batch source"] | None = None
     _components: Callable[[], tuple[list[str], Tensor]] | None = dataclasses.field(
         default=None, compare=False
     )
@@ -159,11 +162,21 @@ class Attribution:
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
             raise ConnWalkError(f"k must be an int >= 0 or None, got {k!r}.")
         values = table.values[batch]  # [route, source]
+        if self.attention_mask is not None:  # padding is no source
+            values = values[:, self.attention_mask[batch].to(values.device) != 0]
+        sources = torch.arange(self.scores.shape[1])
+        if self.attention_mask is not None:
+            sources = sources[self.attention_mask[batch].cpu() != 0]
         flat = values.flatten()
         order = flat.abs().argsort(descending=True, stable=True)[:k]
         n_pos = values.shape[1]
         return [
-            Route(batch % n_batch, index % n_pos, table.routes[index // n_pos], float(flat[index]))
+            Route(
+                batch % n_batch,
+                int(sources[index % n_pos]),
+                table.routes[index // n_pos],
+                float(flat[index]),
+            )
             for index in order.tolist()
         ]
 
@@ -180,7 +193,8 @@ class Attribution:
 
     def to_dataframe(self) -> Any:
         """A pandas DataFrame, one row per (sequence, source): ``batch``, ``source``,
-        ``token``, ``score``, ``target``, ``target_value``, ``bias``, ``method``.
+        ``token``, ``score``, ``target``, ``target_value``, ``bias``, ``method``; padding
+        left out.
 
         >>> tl_connwalk.attribute(model, tokens).to_dataframe().shape
         (16, 8)
@@ -189,7 +203,7 @@ class Attribution:
 
         batch, n_pos = self.scores.shape
         rows = torch.arange(batch).repeat_interleave(n_pos)
-        return pd.DataFrame(
+        frame = pd.DataFrame(
             {
                 "batch": rows.numpy(),
                 "source": torch.arange(n_pos).repeat(batch).numpy(),
@@ -201,3 +215,6 @@ class Attribution:
                 "method": self.method,
             }
         )
+        if self.attention_mask is None:
+            return frame
+        return frame[self.attention_mask.reshape(-1).cpu().numpy() != 0].reset_index(drop=True)
