@@ -13,7 +13,8 @@ every model class whose hook names follow TransformerLens (``HookedTransformer``
   linear branch and ``b_in`` is added after, as the model does.
 
 ``F`` is then affine in the input embeddings (``hook_embed``, ``hook_pos_embed``, and in BERT
-encoders ``embed.hook_embed``, ``embed.hook_pos_embed``, ``embed.hook_token_type_embed``) and,
+encoders ``embed.hook_embed``, ``embed.hook_pos_embed``, ``embed.hook_token_type_embed``, or
+a Bridge's ``token_type_embed.hook_out``) and,
 fed the clean embeddings, reproduces the clean run.
 """
 
@@ -37,10 +38,15 @@ EMBEDDING_HOOKS = (
     "embed.hook_embed",
     "embed.hook_pos_embed",
     "embed.hook_token_type_embed",
+    "token_type_embed.hook_out",  # a BERT TransformerBridge's token-type embedding
 )
 
 #: activation modules outside any hook point (a BERT MLM head's dense -> act -> LayerNorm)
-HEAD_ACTIVATIONS = ("mlm_head.act_fn",)
+HEAD_ACTIVATIONS = (
+    "mlm_head.act_fn",
+    # a BERT TransformerBridge runs the Hugging Face head: dense (mlm_head) -> act -> ln_final
+    "original_model.cls.predictions.transform.transform_act_fn",
+)
 
 HookFn = Callable[..., Tensor | None]
 
@@ -96,6 +102,9 @@ class FrozenNetwork:
         final_resid: the clean residual after the last block ``[batch, pos, d_model]``.
         attention_mask: ``[batch, pos]`` 1 on real tokens, 0 on padding, as the model ran with
             it (``None``: no padding).
+        pattern_after_z: the model shows ``hook_pattern`` after computing ``hook_z`` (a BERT
+            ``TransformerBridge``): ``F`` then makes ``z^h_i = sum_j A^h_ij v^h_j`` itself from
+            the frozen pattern and the live values.
     """
 
     model: nn.Module
@@ -107,6 +116,7 @@ class FrozenNetwork:
     logits: Tensor
     final_resid: Tensor
     attention_mask: Tensor | None = None
+    pattern_after_z: bool = False
 
     @classmethod
     def from_clean_run(
@@ -128,6 +138,7 @@ class FrozenNetwork:
             or name.endswith(("mlp.hook_pre", "mlp.hook_post"))
             or name in EMBEDDING_HOOKS
         }
+        wanted.add("blocks.0.attn.hook_z")  # to tell when the pattern hook fires (below)
         final = final_resid_hook(model)
         heads = _head_activations(model)
         seen: dict[str, tuple[Tensor, Tensor]] = {}
@@ -156,6 +167,11 @@ class FrozenNetwork:
                 f"{type(model).__name__} fired none of the embedding hooks {EMBEDDING_HOOKS}; "
                 "attribution splits the output over them (spec §6)."
             )
+        order = list(cache)
+        pattern, z = "blocks.0.attn.hook_pattern", "blocks.0.attn.hook_z"
+        # a BERT TransformerBridge runs Hugging Face's attention and shows the pattern after
+        # the fact: an edited pattern changes nothing, so z is recomputed from it instead
+        late = pattern in order and z in order and order.index(pattern) > order.index(z)
         return cls(
             model,
             tokens,
@@ -166,6 +182,7 @@ class FrozenNetwork:
             logits,
             cache[final],
             attention_mask,
+            late,
         )
 
     def hooks(
@@ -196,6 +213,21 @@ class FrozenNetwork:
             hooks.append((name, constant(value)))
         for name, (pre, value) in self.gains.items():
             hooks += [(pre, remember(pre)), (name, gain(pre, value))]
+        if self.pattern_after_z:
+            patterns = {**self.frozen, **(overrides or {})}
+
+            def mixed(layer: int) -> HookFn:
+                def hook(z: Tensor, hook: Any) -> Tensor:
+                    v = live.pop(f"blocks.{layer}.attn.hook_v")
+                    pattern = patterns[f"blocks.{layer}.attn.hook_pattern"].to(v)
+                    v = v.reshape(*v.shape[:2], pattern.shape[1], -1)
+                    return torch.einsum("bhqk,bkhe->bqhe", pattern, v).reshape(z.shape)
+
+                return hook
+
+            for layer in range(int(config(self.model).n_layers)):
+                v_name = f"blocks.{layer}.attn.hook_v"
+                hooks += [(v_name, remember(v_name)), (f"blocks.{layer}.attn.hook_z", mixed(layer))]
         for name, tap in taps.items():
             hooks.append((name, lambda activation, hook, tap=tap: tap(activation)))
         return hooks
