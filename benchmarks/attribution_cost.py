@@ -1,44 +1,96 @@
 """The cost of ``tl_connwalk.attribute`` (exact method) against ``run_with_cache``, same process.
 
-A GPT-2-small-shaped random ``HookedTransformer`` (12 layers, d_model 768, 12 heads, vocabulary
-50,257), one sequence of 256 tokens, best of three runs each, one CPU thread:
+Two models: SmolLM2-135M from the zoo (30 layers, d_model 576) and a GPT-2-small-shaped random
+``HookedTransformer`` (12 layers, d_model 768, 12 heads, vocabulary 50,257); one sequence of
+256 and of 1,024 tokens; one CPU thread; the median of ``--repeats`` runs of each, the two
+timed alternately. Peak memory is the largest resident-set growth during one call (sampled
+every 2 ms), in MiB and in ``n^2 d_model`` float32s. Knockout (one forward pass per source)
+is timed once, at 256 tokens:
 
-    OMP_NUM_THREADS=1 python benchmarks/attribution_cost.py
+    OMP_NUM_THREADS=1 nice python benchmarks/attribution_cost.py
 """
 
+import argparse
+import functools
+import statistics
+import threading
 import time
 import warnings
 from collections.abc import Callable
 
 import torch
-from transformer_lens import HookedTransformer, HookedTransformerConfig
 
 import tl_connwalk
 
 
-def best(run: Callable[[], object], repeats: int = 3) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
 
 
-def main() -> None:
-    torch.set_num_threads(1)
+def measure(run: Callable[[], object]) -> tuple[float, float]:
+    """Seconds and peak resident-set growth (bytes) of one call of ``run``."""
+    start_rss, peak, done = _rss(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss() - start_rss)
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    start = time.perf_counter()
+    run()
+    elapsed = time.perf_counter() - start
+    done.set()
+    sampler.join()
+    return elapsed, max(peak[0], _rss() - start_rss)
+
+
+def gpt2_small() -> torch.nn.Module:
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
     cfg = HookedTransformerConfig(
         n_layers=12, d_model=768, d_head=64, n_heads=12, d_mlp=3072, n_ctx=1024, d_vocab=50257,
         act_fn="gelu_new", normalization_type="LN", seed=0, device="cpu",
     )  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = HookedTransformer(cfg).eval()
-    tokens = torch.randint(0, 50257, (1, 256), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        base = best(lambda: model.run_with_cache(tokens))
-    exact = best(lambda: tl_connwalk.attribute(model, tokens))
-    print(f"run_with_cache {base:.3f} s, attribute {exact:.3f} s, ratio {exact / base:.2f}")
+        return HookedTransformer(cfg).eval()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--models", nargs="+", default=["smollm2-135m", "gpt2-small-random"])
+    parser.add_argument("--knockout", action=argparse.BooleanOptionalAction, default=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print("| model | tokens | run_with_cache (s) | attribute (s) | ratio | peak MiB | "
+          "peak / n^2 d_model floats | knockout (s) | knockout ratio |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name in args.models:
+        model = gpt2_small() if name == "gpt2-small-random" else tl_connwalk.zoo.load(name)
+        d_vocab, d_model = model.cfg.d_vocab, model.cfg.d_model
+        for n in args.tokens:
+            tokens = torch.randint(0, d_vocab, (1, n), generator=torch.Generator().manual_seed(0))
+            cache = functools.partial(model.run_with_cache, tokens)
+            exact_run = functools.partial(tl_connwalk.attribute, model, tokens)
+            base, exact, peaks = [], [], []
+            for _ in range(args.repeats):
+                with torch.no_grad():
+                    base.append(measure(cache)[0])
+                seconds, peak = measure(exact_run)
+                exact.append(seconds)
+                peaks.append(peak)
+            b, e, p = statistics.median(base), statistics.median(exact), max(peaks)
+            knock = "n/a | n/a"
+            if n == 256 and args.knockout:
+                k = measure(functools.partial(exact_run, method="knockout"))[0]
+                knock = f"{k:.1f} | {k / b:.0f}"
+            print(f"| {name} | {n} | {b:.2f} | {e:.2f} | {e / b:.2f} | {p / 2**20:.0f} | "
+                  f"{p / (4 * n * n * d_model):.2f} | {knock} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

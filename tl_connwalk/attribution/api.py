@@ -1,6 +1,7 @@
 """`attribute`: one call for every attribution method, one `Attribution` record back."""
 
-from typing import Literal, get_args
+import functools
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor, nn
@@ -10,6 +11,7 @@ from tl_connwalk.attribution import baselines, layerwise, mixing, targets
 from tl_connwalk.attribution.connection import connection
 from tl_connwalk.attribution.frozen import FrozenNetwork, pattern_hooks
 from tl_connwalk.attribution.record import Attribution
+from tl_connwalk.attribution.routes import route_table
 from tl_connwalk.errors import ConnWalkError
 
 Method = Literal[
@@ -24,29 +26,89 @@ LAYERWISE = {
 }
 
 
-def _tokens(model: nn.Module, input: str | list[str] | Tensor) -> Tensor:
+def _tokens(
+    model: nn.Module, input: str | list[str] | Tensor, attention_mask: Tensor | None
+) -> tuple[Tensor, Tensor | None]:
+    """Tokens ``[batch, pos]`` and the padding mask (``None``: no padding)."""
     if isinstance(input, Tensor):
         if input.is_floating_point() or input.ndim not in (1, 2):
             raise ConnWalkError(
                 f"input must be tokens [batch, pos] (integers) or text; got {input.dtype} "
                 f"{tuple(input.shape)}."
             )
-        return input if input.ndim == 2 else input[None]
+        tokens = input if input.ndim == 2 else input[None]
+        return tokens, _checked_mask(attention_mask, tokens)
     if isinstance(input, str):
         input = [input]
-    if isinstance(input, list) and all(isinstance(text, str) for text in input):
-        lengths = {len(model.to_tokens(text)[0]) for text in input}  # type: ignore[operator]
-        if len(lengths) > 1:
-            raise ConnWalkError(
-                "these texts tokenise to different lengths; pass them one at a time, or pass "
-                "tokens with a position per sequence."
-            )
-        tokens: Tensor = model.to_tokens(input)  # type: ignore[operator]
-        return tokens
-    raise ConnWalkError(
-        f"input must be tokens [batch, pos] or text (a string or a list of strings), got "
-        f"{type(input).__name__}."
-    )
+    if not (isinstance(input, list) and input and all(isinstance(t, str) for t in input)):
+        raise ConnWalkError(
+            f"input must be tokens [batch, pos] or text (a string or a list of strings), got "
+            f"{type(input).__name__}."
+        )
+    if attention_mask is not None:
+        raise ConnWalkError(
+            "attention_mask goes with tokens; texts are padded and masked here. Pass tokens and "
+            "their mask, or texts alone."
+        )
+    pieces = [_text_tokens(model, text) for text in input]
+    lengths = [len(piece) for piece in pieces]
+    n_pos = max(lengths)
+    if min(lengths) == n_pos:
+        return torch.stack(pieces), None
+    tokenizer: Any = getattr(model, "tokenizer", None)
+    left = getattr(tokenizer, "padding_side", "right") == "left"
+    pad = getattr(tokenizer, "pad_token_id", None)
+    pad = 0 if pad is None else int(pad)
+    tokens = torch.full((len(pieces), n_pos), pad, dtype=pieces[0].dtype)
+    mask = torch.zeros(len(pieces), n_pos, dtype=torch.long)
+    for row, piece in enumerate(pieces):
+        start = n_pos - len(piece) if left else 0
+        tokens[row, start : start + len(piece)] = piece
+        mask[row, start : start + len(piece)] = 1
+    return tokens.to(pieces[0].device), mask.to(pieces[0].device)
+
+
+def _text_tokens(model: nn.Module, text: str) -> Tensor:
+    tokens: Any = model.to_tokens(text)  # type: ignore[operator]
+    return (tokens[0] if isinstance(tokens, tuple) else tokens)[0]  # an encoder's tuple
+
+
+def _checked_mask(attention_mask: Tensor | None, tokens: Tensor) -> Tensor | None:
+    """``attention_mask`` as 0/1 integers on the tokens' device; ``None`` if nothing is padding."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, Tensor) or attention_mask.shape != tokens.shape:
+        shape = getattr(attention_mask, "shape", type(attention_mask).__name__)
+        raise ConnWalkError(
+            f"attention_mask must be [batch, pos] = {tuple(tokens.shape)} like the tokens "
+            f"(1: real token, 0: padding), got {shape}."
+        )
+    mask = (attention_mask != 0).long().to(tokens.device)
+    if not bool(mask.any(-1).all()):
+        b = int((~mask.any(-1)).nonzero()[0])
+        raise ConnWalkError(f"attention_mask has no real token in sequence {b}.")
+    return None if bool(mask.all()) else mask
+
+
+def _real_position(position: int | Tensor, mask: Tensor) -> Tensor:
+    """``position`` counted over each sequence's real tokens (``-1``: its last real token) as
+    an index into the padded batch ``[batch]``."""
+    counts = mask.sum(-1)
+    pos = torch.as_tensor(position, device=mask.device)
+    if pos.is_floating_point() or pos.ndim > 1 or pos.numel() not in (1, len(mask)):
+        raise ConnWalkError(
+            f"position must be an int or one per sequence ([{len(mask)}] integers), got "
+            f"{position!r}."
+        )
+    pos = pos.reshape(-1).expand(len(mask)).long()
+    if ((pos < -counts) | (pos >= counts)).any():
+        raise ConnWalkError(
+            f"position {pos.tolist()} is out of range for sequences of {counts.tolist()} real "
+            "tokens (with padding, positions count each sequence's real tokens; -1 is its last)."
+        )
+    nth = pos % counts  # the nth real token
+    ranks = mask.cumsum(-1) - 1
+    return ((ranks == nth[:, None]) & (mask != 0)).long().argmax(-1)
 
 
 def _mixing(frozen: FrozenNetwork, method: str, position: Tensor) -> Tensor:
@@ -71,6 +133,7 @@ def attribute(
     target: targets.TargetSpec = None,
     position: int | Tensor = -1,
     method: Method = "connection",
+    attention_mask: Tensor | None = None,
 ) -> Attribution:
     """Split a target output over the source tokens that made it (spec §6).
 
@@ -85,7 +148,8 @@ def attribute(
     Args:
         model: a TransformerLens ``HookedTransformer``, ``HookedEncoder`` (a masked position's
             logit) or decoder ``TransformerBridge``.
-        input: tokens ``[batch, pos]`` (or ``[pos]``), a text, or texts of one length.
+        input: tokens ``[batch, pos]`` (or ``[pos]``), a text, or texts (of any lengths:
+            padded on the tokenizer's side, then masked).
         target: ``None``: the top predicted token's logit; a token id (or ``[batch]`` ids):
             its logit; ``(token, other)``: ``logit(token) - logit(other)``; a float
             ``[d_model]`` (or ``[batch, d_model]``) direction ``u``: ``u . r_final``, with
@@ -99,7 +163,8 @@ def attribute(
             clean run and ``F`` stop there, and later layers' edges are 0; ``by_component``
             is for output targets.
         position: the position the target is read at (an int, negative from the end, or
-            ``[batch]`` ints).
+            ``[batch]`` ints). In a padded batch it counts each sequence's real tokens (``-1``:
+            its last real token); ``Attribution.position`` is the index in the padded batch.
         method: ``"connection"``, the exact method; or a baseline (see
             `tl_connwalk.attribution.baselines`): ``"grad_x_input"`` (the real gradient times
             the embeddings) or ``"knockout"`` (ground truth by intervention: the target's drop
@@ -119,6 +184,12 @@ def attribute(
             all sources). A row with nothing measured becomes the identity's. Rollout and the
             layer-wise baselines give distributions over sources (``scores`` sum to 1). A
             baseline's ``bias`` is what it leaves unexplained.
+            The layer-wise baselines do not take padded batches: attribute those sequences
+            one at a time.
+        attention_mask: ``[batch, pos]`` with tokens: 1 on real tokens, 0 on padding (left or
+            right), as ``run_with_cache`` takes it. Padding sends nothing and counts nowhere:
+            its scores are 0, it is left out of `Attribution.routes` and
+            `Attribution.to_dataframe`, and each sequence's scores are those it has alone.
 
     Returns:
         An `Attribution`: ``scores`` ``[batch, source]``, ``bias`` and ``target_value``
@@ -135,8 +206,17 @@ def attribute(
     adapter_for(model)  # a supported model class, or a ConnWalkError naming them
     if method not in get_args(Method):
         raise ConnWalkError(f"unknown method {method!r}; choose one of {get_args(Method)}.")
-    tokens = _tokens(model, input)
-    frozen = FrozenNetwork.from_clean_run(model, tokens, stop_at=targets.hook_of(model, target))
+    tokens, mask = _tokens(model, input, attention_mask)
+    if mask is not None and method in LAYERWISE:
+        raise ConnWalkError(
+            f"method={method!r} does not take padded batches (attention_mask or texts of "
+            "different lengths); attribute those sequences one at a time."
+        )
+    frozen = FrozenNetwork.from_clean_run(
+        model, tokens, mask, stop_at=targets.hook_of(model, target)
+    )
+    if mask is not None:
+        position = _real_position(position, mask)
     target_ = targets.resolve(target, position, frozen.logits, frozen.final_resid)
     clean = targets.clean_value(target_, frozen.logits, frozen.final_resid)
     if method != "connection":
@@ -146,6 +226,8 @@ def attribute(
             scores = baselines.knockout(frozen, target_, clean)
         else:
             scores = _mixing(frozen, method, target_.position).to(clean)
+        if mask is not None:
+            scores = scores * mask.to(scores)
         return Attribution(
             scores=scores,
             bias=(clean - scores.sum(-1)).detach(),
@@ -154,6 +236,7 @@ def attribute(
             position=target_.position,
             targets=tuple(target_.describe()),
             method=method,
+            attention_mask=mask,
         )
     result = connection(frozen, target_, clean)
     return Attribution(
@@ -164,6 +247,8 @@ def attribute(
         position=target_.position,
         targets=tuple(target_.describe()),
         method=method,
+        attention_mask=mask,
         _components=result.components,
         _edges=result.edges,
+        _routes=functools.cache(lambda max_length: route_table(frozen, target_, max_length)),
     )

@@ -25,7 +25,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
 from tl_connwalk.attribution import targets
-from tl_connwalk.attribution.frozen import FrozenNetwork, config, final_resid_hook
+from tl_connwalk.attribution.frozen import FrozenNetwork, config, final_resid_hook, mask_kwargs
 
 #: sources knocked out per forward pass
 KNOCKOUT_CHUNK = 16
@@ -60,7 +60,7 @@ def grad_x_input(frozen: FrozenNetwork, target: targets.Target) -> Float[Tensor,
     ]
     hooks.append((targets.read_at(target, frozen.model), lambda x, hook: final.update(r=x)))
     with torch.enable_grad():
-        logits = frozen.model.run_with_hooks(frozen.tokens, fwd_hooks=hooks)  # type: ignore[operator]
+        logits = frozen.run_model(hooks)
         y = targets.clean_value(target, logits, final["r"])
         grads = torch.autograd.grad(y.sum(), list(leaves.values()), allow_unused=True)
     scores = torch.zeros_like(frozen.tokens, dtype=y.dtype)
@@ -77,6 +77,7 @@ def block_keys(
     read: Callable[[Tensor, Tensor], Tensor],
     extra_hooks: Sequence[tuple[str, Callable[..., Any]]] = (),
     read_hook: str | None = None,
+    attention_mask: Int[Tensor, "batch pos"] | None = None,
 ) -> Tensor:
     """What ``read`` sees when, in each run, some keys are blocked for every other query.
 
@@ -87,6 +88,7 @@ def block_keys(
     ``read(logits, activation)`` turns that pass's outputs into one value (or a row of
     values) per row; ``activation`` is the final residual, or the activation at ``read_hook``
     when given. ``extra_hooks`` run in every pass (e.g. frozen normalisation scales).
+    ``attention_mask`` (1 on real tokens) is handed to every pass, repeated per run.
 
     Returns:
         ``[run, batch, ...]``: what ``read`` gave for each run and sequence.
@@ -108,7 +110,10 @@ def block_keys(
         hooks: list[tuple[str, Callable[..., Any]]] = [(name, block) for name in names]
         hooks += [read_final, *extra_hooks]
         with torch.no_grad():
-            logits = model.run_with_hooks(tokens.repeat(k, 1), fwd_hooks=hooks)  # type: ignore[operator]
+            mask = None if attention_mask is None else attention_mask.repeat(k, 1)
+            logits = model.run_with_hooks(  # type: ignore[operator]
+                tokens.repeat(k, 1), fwd_hooks=hooks, **mask_kwargs(model, mask)
+            )
         value = read(logits, final["r"])
         values.append(value.reshape(k, batch, *value.shape[1:]))
     return torch.cat(values)
@@ -128,6 +133,11 @@ def knockout(
         return targets.clean_value(target.repeat(k), logits, activation)
 
     knocked = block_keys(
-        frozen.model, frozen.tokens, one_each, read, read_hook=targets.read_at(target, frozen.model)
+        frozen.model,
+        frozen.tokens,
+        one_each,
+        read,
+        read_hook=targets.read_at(target, frozen.model),
+        attention_mask=frozen.attention_mask,
     )
     return (clean[None] - knocked).T.to(clean.dtype)

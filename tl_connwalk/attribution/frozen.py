@@ -13,7 +13,8 @@ every model class whose hook names follow TransformerLens (``HookedTransformer``
   linear branch and ``b_in`` is added after, as the model does.
 
 ``F`` is then affine in the input embeddings (``hook_embed``, ``hook_pos_embed``, and in BERT
-encoders ``embed.hook_embed``, ``embed.hook_pos_embed``, ``embed.hook_token_type_embed``) and,
+encoders ``embed.hook_embed``, ``embed.hook_pos_embed``, ``embed.hook_token_type_embed``, or
+a Bridge's ``token_type_embed.hook_out``) and,
 fed the clean embeddings, reproduces the clean run. A target read inside the network
 (``stop_at``, a hook point) stops both the clean run and ``F`` at that hook: later layers
 neither run nor freeze.
@@ -29,6 +30,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor, nn
 
+from tl_connwalk.adapters.hooked_transformer import is_encoder
 from tl_connwalk.errors import ConnWalkError
 
 #: the hook points whose outputs are the input embeddings, wherever a model class has them
@@ -38,10 +40,15 @@ EMBEDDING_HOOKS = (
     "embed.hook_embed",
     "embed.hook_pos_embed",
     "embed.hook_token_type_embed",
+    "token_type_embed.hook_out",  # a BERT TransformerBridge's token-type embedding
 )
 
 #: activation modules outside any hook point (a BERT MLM head's dense -> act -> LayerNorm)
-HEAD_ACTIVATIONS = ("mlm_head.act_fn",)
+HEAD_ACTIVATIONS = (
+    "mlm_head.act_fn",
+    # a BERT TransformerBridge runs the Hugging Face head: dense (mlm_head) -> act -> ln_final
+    "original_model.cls.predictions.transform.transform_act_fn",
+)
 
 HookFn = Callable[..., Tensor | None]
 
@@ -59,11 +66,13 @@ def _run_until(
     tokens: Tensor,
     hooks: list[tuple[str, HookFn]],
     stop_at: str | None,
+    **kwargs: Tensor,
 ) -> Tensor | None:
-    """``model.run_with_hooks``; stopped after the hooks of ``stop_at`` ran (then ``None``)."""
+    """``model.run_with_hooks`` (``kwargs``: its padding mask); stopped after the hooks of
+    ``stop_at`` ran (then ``None``)."""
     stop = [] if stop_at is None else [(stop_at, _stop)]
     try:
-        logits: Tensor = model.run_with_hooks(tokens, fwd_hooks=[*hooks, *stop])  # type: ignore[operator]
+        logits: Tensor = model.run_with_hooks(tokens, fwd_hooks=[*hooks, *stop], **kwargs)  # type: ignore[operator]
     except _Stop:
         return None
     except ValueError as error:  # a Bridge refuses a hook point its config leaves off
@@ -125,6 +134,11 @@ class FrozenNetwork:
             with ``stop_at`` the clean activation at that hook ``[batch, pos, ...]``.
         stop_at: the hook point where the clean run and ``F`` stop (a target inside the
             network), or ``None``: they run to the logits.
+        attention_mask: ``[batch, pos]`` 1 on real tokens, 0 on padding, as the model ran with
+            it (``None``: no padding).
+        pattern_after_z: the model shows ``hook_pattern`` after computing ``hook_z`` (a BERT
+            ``TransformerBridge``): ``F`` then makes ``z^h_i = sum_j A^h_ij v^h_j`` itself from
+            the frozen pattern and the live values.
     """
 
     model: nn.Module
@@ -136,13 +150,20 @@ class FrozenNetwork:
     logits: Tensor | None
     final_resid: Tensor
     stop_at: str | None = None
+    attention_mask: Tensor | None = None
+    pattern_after_z: bool = False
 
     @classmethod
     def from_clean_run(
-        cls, model: nn.Module, tokens: Int[Tensor, "batch pos"], stop_at: str | None = None
+        cls,
+        model: nn.Module,
+        tokens: Int[Tensor, "batch pos"],
+        attention_mask: Int[Tensor, "batch pos"] | None = None,
+        stop_at: str | None = None,
     ) -> "FrozenNetwork":
-        """Run ``model`` on ``tokens`` once with a cache and freeze it there (up to the hook
-        point ``stop_at``, if given: only what runs before it is frozen)."""
+        """Run ``model`` on ``tokens`` (and its ``attention_mask``) once with a cache and freeze
+        it there (up to the hook point ``stop_at``, if given: only what runs before it is
+        frozen)."""
         hook_dict: Mapping[str, Any] = model.hook_dict  # type: ignore[assignment]
         names = list(hook_dict)
         _unsupported(names)
@@ -154,6 +175,7 @@ class FrozenNetwork:
             or name.endswith(("mlp.hook_pre", "mlp.hook_post"))
             or name in EMBEDDING_HOOKS
         }
+        wanted.add("blocks.0.attn.hook_z")  # to tell when the pattern hook fires (below)
         final = stop_at or final_resid_hook(model)
         heads = _head_activations(model)
         seen: dict[str, tuple[Tensor, Tensor]] = {}
@@ -167,7 +189,7 @@ class FrozenNetwork:
             for name in [*wanted, final]
         ]
         with torch.no_grad(), _module_hooks(taps):
-            logits = _run_until(model, tokens, saves, stop_at)
+            logits = _run_until(model, tokens, saves, stop_at, **mask_kwargs(model, attention_mask))
         if final not in cache:
             raise ConnWalkError(
                 f"the hook point {final!r} does not fire in {type(model).__name__}'s forward "
@@ -188,8 +210,27 @@ class FrozenNetwork:
                 f"{type(model).__name__} fired none of the embedding hooks {EMBEDDING_HOOKS}; "
                 "attribution splits the output over them (spec §6)."
             )
+        order = list(cache)
+        first_pattern, first_z = "blocks.0.attn.hook_pattern", "blocks.0.attn.hook_z"
+        # a BERT TransformerBridge runs Hugging Face's attention and shows the pattern after
+        # the fact: an edited pattern changes nothing, so z is recomputed from it instead
+        late = (
+            first_pattern in order
+            and first_z in order
+            and order.index(first_pattern) > order.index(first_z)
+        )
         return cls(
-            model, tokens, frozen, gains, head_gains, embeddings, logits, cache[final], stop_at
+            model,
+            tokens,
+            frozen,
+            gains,
+            head_gains,
+            embeddings,
+            logits,
+            cache[final],
+            stop_at=stop_at,
+            attention_mask=attention_mask,
+            pattern_after_z=late,
         )
 
     def hooks(
@@ -220,6 +261,21 @@ class FrozenNetwork:
             hooks.append((name, constant(value)))
         for name, (pre, value) in self.gains.items():
             hooks += [(pre, remember(pre)), (name, gain(pre, value))]
+        if self.pattern_after_z:
+            patterns = {**self.frozen, **(overrides or {})}
+
+            def mixed(layer: int) -> HookFn:
+                def hook(z: Tensor, hook: Any) -> Tensor:
+                    v = live.pop(f"blocks.{layer}.attn.hook_v")
+                    pattern = patterns[f"blocks.{layer}.attn.hook_pattern"].to(v)
+                    v = v.reshape(*v.shape[:2], pattern.shape[1], -1)
+                    return torch.einsum("bhqk,bkhe->bqhe", pattern, v).reshape(z.shape)
+
+                return hook
+
+            for layer in range(int(config(self.model).n_layers)):
+                v_name = f"blocks.{layer}.attn.hook_v"
+                hooks += [(v_name, remember(v_name)), (f"blocks.{layer}.attn.hook_z", mixed(layer))]
         for name, tap in taps.items():
             hooks.append((name, lambda activation, hook, tap=tap: tap(activation)))
         return hooks
@@ -252,7 +308,31 @@ class FrozenNetwork:
         with warnings.catch_warnings(), _module_hooks(frozen_heads):
             # a Bridge's native-norm path warns that an edited hook_scale changes its rounding
             warnings.filterwarnings("ignore", message=".*edited hook_scale")
-            return _run_until(self.model, self.tokens, hooks, self.stop_at)
+            return _run_until(
+                self.model,
+                self.tokens,
+                hooks,
+                self.stop_at,
+                **mask_kwargs(self.model, self.attention_mask),
+            )
+
+    def run_model(self, hooks: list[tuple[str, HookFn]], repeat: int = 1) -> Tensor:
+        """The model's logits on its tokens (each sequence ``repeat`` times, with the padding
+        mask), with ``hooks``."""
+        mask = None if self.attention_mask is None else self.attention_mask.repeat(repeat, 1)
+        logits: Tensor = self.model.run_with_hooks(  # type: ignore[operator]
+            self.tokens.repeat(repeat, 1), fwd_hooks=hooks, **mask_kwargs(self.model, mask)
+        )
+        return logits
+
+
+def mask_kwargs(model: nn.Module, attention_mask: Tensor | None) -> dict[str, Tensor]:
+    """The keyword that hands a padding mask to ``model``'s forward (none without a mask)."""
+    if attention_mask is None:
+        return {}
+    if is_encoder(model):
+        return {"one_zero_attention_mask": attention_mask}
+    return {"attention_mask": attention_mask}
 
 
 def _gain(z: Tensor, activation: Tensor) -> Tensor:
