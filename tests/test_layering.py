@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).parents[1] / "tl_connwalk"
 #: Bottom to top; a module may import its own layer and those below. The first prefix that
 #: matches a module's dotted name (without ``tl_connwalk.``) gives its layer.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors",),
+    ("errors", "debug"),
     ("core",),
     ("views",),
     ("walk", "residual"),

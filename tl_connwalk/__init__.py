@@ -10,11 +10,12 @@
 The package is layered; a module imports only from its own layer and those below it, with no
 import cycle (type-only imports included; ``tests/test_layering.py`` checks both):
 
-1. ``errors``: `ConnWalkError`.
+1. ``errors``, ``debug``: `ConnWalkError`; an operation counter.
 2. ``core``: the mathematics, tensors in and tensors out, no model class. Its public modules
    read as the formulas of the spec; the fast paths they call (chunk sizes, Gram tensors,
    per-edge closed forms, message Grams, the caches' stores) live in the private
-   ``core._fast``, which nothing outside ``core`` imports.
+   ``core._fast``, which nothing outside ``core`` imports. ``views`` renders pages from
+   tensors on top of it.
 3. ``walk``, ``residual``: the objects a user holds for one layer (`ConnectionWalk`,
    `LaplacianResidual`), built from tensors.
 4. ``adapters``, ``hooks``, ``bridge_hooks``: reading walks out of TransformerLens models.
