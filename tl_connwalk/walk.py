@@ -338,12 +338,19 @@ class ConnectionWalk:
         """Display this walk in a Jupyter notebook, as `to_html` draws it."""
         from tl_connwalk.views import walk_view
 
+        edge, head = self._shown_contributions(edge_contributions, head_contributions)
         walk_view(
-            self,
-            str_tokens=str_tokens,
-            edge_contributions=edge_contributions,
-            head_contributions=head_contributions,
+            self, str_tokens=str_tokens, edge_contributions=edge, head_contributions=head
         ).show()
+
+    def _shown_contributions(
+        self, edge: Tensor | None, head: Tensor | None
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """What the page draws per edge: the given contributions, or `edge_contributions`."""
+        if edge is None and head is None:
+            contributions = self.edge_contributions()
+            return contributions.edge, contributions.head
+        return edge, head
 
     def to_html(
         self,
@@ -355,13 +362,13 @@ class ConnectionWalk:
     ) -> Path:
         """Write this walk to ``path`` as one self-contained HTML page; returns the path.
 
-        The page (`tl_connwalk.views`) shows the walk ``W`` as a heatmap, the gates and
-        per-head patterns of the edge under the pointer, the incoming edges of a query as
-        arcs, and every head's gates; ``edge_contributions`` ``[batch, query, key]`` and
-        ``head_contributions`` ``[batch, head, query, key]`` (one number per edge, and per
-        head and edge) are drawn when given. ``str_tokens`` label the positions (e.g.
-        ``model.to_str_tokens(tokens)``). It loads nothing from anywhere: open it in any
-        browser, offline.
+        The page (`tl_connwalk.views`) shows the walk ``W`` as a heatmap, the gates and per-head
+        patterns of the edge under the pointer, the incoming edges of a query as arcs, every head's
+        gates, and a number per edge (``edge_contributions`` ``[batch, query, key]``) and per head
+        and edge (``head_contributions`` ``[batch, head, query, key]``): by default the norms of
+        `edge_contributions`. ``str_tokens`` label the positions (e.g.
+        ``model.to_str_tokens(tokens)``). It loads nothing from anywhere: open it in any browser,
+        offline.
 
         >>> import tempfile
         >>> walk.to_html(f"{tempfile.mkdtemp()}/walk.html").name
@@ -369,11 +376,9 @@ class ConnectionWalk:
         """
         from tl_connwalk.views import walk_view
 
+        edge, head = self._shown_contributions(edge_contributions, head_contributions)
         view = walk_view(
-            self,
-            str_tokens=str_tokens,
-            edge_contributions=edge_contributions,
-            head_contributions=head_contributions,
+            self, str_tokens=str_tokens, edge_contributions=edge, head_contributions=head
         )
         return view.save(path)
 

@@ -103,6 +103,19 @@ def test_edges_are_each_layers_strongest_edges_with_their_heads(top):
             close(seq["layer_totals"][layer], per_head.sum())
 
 
+def test_routes_k_lists_each_sequences_largest_routes(tmp_path):
+    result = attribution()
+    data = Page(result.to_html(tmp_path / "a.html", routes=3).read_text(encoding="utf-8")).data()
+    for b, seq in enumerate(data["sequences"]):
+        mine = result.routes(3, batch=b)
+        assert [(r["source"], tuple(r["components"])) for r in seq["routes"]] == [
+            (r.source, r.components) for r in mine
+        ]
+        close(
+            [r["contribution"] for r in seq["routes"]], torch.tensor([r.contribution for r in mine])
+        )
+
+
 def test_routes_are_listed_by_sequence_largest_first_and_checked():
     result = attribution()
     routes = single_routes(result, 12)

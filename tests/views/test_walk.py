@@ -42,8 +42,16 @@ def test_page_holds_the_walk_gates_and_padding(tmp_path):
         close(seq["gates"], walk.gates[b])
         assert seq["real"] == walk.attention_mask[b].tolist()
         assert seq["tokens"] == [f"pos {i}" for i in range(6)]
-        assert seq["edge"] is None and seq["head"] is None
     assert data["sequences"][1]["real"] == [True] * 4 + [False] * 2
+
+
+def test_edge_contributions_are_drawn_by_default(tmp_path):
+    walk = padded_walk()
+    contributions = walk.edge_contributions()
+    data = Page(walk.to_html(tmp_path / "w.html").read_text(encoding="utf-8")).data()
+    for b, seq in enumerate(data["sequences"]):
+        close(seq["edge"], contributions.edge[b])
+        close(seq["head"], contributions.head[b])
 
 
 def test_contributions_given_are_embedded_per_edge_and_per_head():

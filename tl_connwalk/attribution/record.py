@@ -68,15 +68,25 @@ class Attribution:
         *,
         model: Any = None,
         str_tokens: Sequence[str] | Sequence[Sequence[str]] | None = None,
-        routes: Sequence[Route] | None = None,
+        routes: Sequence[Route] | int | None = None,
         top_edges: int = 8,
     ) -> None:
         """Display this attribution in a Jupyter notebook, as `to_html` draws it."""
         from tl_connwalk.attribution.view import attribution_view
 
         attribution_view(
-            self, model=model, str_tokens=str_tokens, routes=routes, top_edges=top_edges
+            self,
+            model=model,
+            str_tokens=str_tokens,
+            routes=self._shown_routes(routes),
+            top_edges=top_edges,
         ).show()
+
+    def _shown_routes(self, routes: Sequence[Route] | int | None) -> Sequence[Route] | None:
+        """The routes a page lists: as given, or the ``routes`` largest of each sequence."""
+        if routes is None or isinstance(routes, Sequence):
+            return routes
+        return [route for b in range(len(self.scores)) for route in self.routes(routes, batch=b)]
 
     def to_html(
         self,
@@ -84,17 +94,18 @@ class Attribution:
         *,
         model: Any = None,
         str_tokens: Sequence[str] | Sequence[Sequence[str]] | None = None,
-        routes: Sequence[Route] | None = None,
+        routes: Sequence[Route] | int | None = None,
         top_edges: int = 8,
     ) -> Path:
         """Write this attribution to ``path`` as one self-contained HTML page; returns the path.
 
         The page (`tl_connwalk.views`) shows the source tokens coloured by score, the target
-        position marked; hovering or clicking a token shows its direct paths and its
-        ``routes``; a layer-by-head grid of each component's direct path (`by_component`);
-        and each layer's ``top_edges`` strongest edges (`edges`) as arcs. ``model`` (its
-        tokenizer) or ``str_tokens`` label the tokens, else their ids do. It loads nothing
-        from anywhere: open it in any browser, offline.
+        position marked; hovering or clicking a token shows its direct paths and its ``routes``
+        (`Route` records, or an int ``k``: the ``k`` largest routes of each sequence, `routes` with
+        its default length, computed here); a layer-by-head grid of each component's direct path
+        (`by_component`); and each layer's ``top_edges`` strongest edges (`edges`) as arcs.
+        ``model`` (its tokenizer) or ``str_tokens`` label the tokens, else their ids do. It loads
+        nothing from anywhere: open it in any browser, offline.
 
         >>> import tempfile
         >>> result = tl_connwalk.attribute(model, tokens)
@@ -104,7 +115,11 @@ class Attribution:
         from tl_connwalk.attribution.view import attribution_view
 
         view = attribution_view(
-            self, model=model, str_tokens=str_tokens, routes=routes, top_edges=top_edges
+            self,
+            model=model,
+            str_tokens=str_tokens,
+            routes=self._shown_routes(routes),
+            top_edges=top_edges,
         )
         return view.save(path)
 
@@ -182,13 +197,12 @@ class Attribution:
         ``max_length`` components is enumerated; what the longer ones carry is
         `route_remainder`: per source, the routes plus the remainder are ``scores``.
 
-        Cost: for ``K`` components (``n_layers * (n_heads + 1)``), ``n`` positions and
-        ``max_length = 2``, one forward and backward pass of the frozen network, ``2 K``
-        batched backward steps through single components and about ``K^2 / 2`` pattern
-        products of ``n^2 d_head`` each (a minute for GPT-2 small at 256 tokens on one CPU
-        core, with a progress bar); memory ``K n d_model`` floats per sequence. Each further
-        unit of ``max_length`` multiplies the routes by about ``K / length``. Computed once
-        per ``max_length`` and kept.
+        Cost: for ``K`` components (``n_layers * (n_heads + 1)``), ``n`` positions and ``max_length
+        = 2``, one forward and backward pass of the frozen network, ``2 K`` batched backward steps
+        through single components and about ``K^2 / 2`` pattern products of ``n^2 d_head`` each
+        (with a progress bar when long); memory ``K n d_model`` floats per sequence. Each further
+        unit of ``max_length`` multiplies the routes by about ``K / length``. Computed once per
+        ``max_length`` and kept.
 
         Args:
             k: how many routes; ``None`` for every route.

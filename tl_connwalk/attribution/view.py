@@ -119,7 +119,11 @@ def attribution_data(
                 "routes": None,
             }
         )
-    routes_note = "No routes given: pass routes=[...] to show them." if routes is None else None
+    routes_note = (
+        "No routes given: pass routes=k (the k largest of each sequence) or routes=[...]."
+        if routes is None
+        else None
+    )
     if routes is not None:
         for b, listed in enumerate(_routes_by_sequence(routes, batch, n_pos, names)):
             sequences[b]["routes"] = listed
