@@ -25,7 +25,7 @@
 # TransformerLens activation patching at `hook_z`. It ends with the faithfulness numbers of
 # these examples for every method, and the limits of what the attributions say.
 #
-# Runs on 2 CPU cores in about two minutes with the defaults.
+# Runs on one CPU core in about five minutes with the defaults (most of it in `by_component`).
 
 # %% tags=["parameters"]
 MODEL = "smollm2-135m"
