@@ -546,7 +546,13 @@ ADAPTED = ["gpt2_ln", "llama_gqa_rotary"]
 def _cache_case(model: Any, cache: Any, layer: int) -> Case:
     """The reference's inputs read off the cache and weights as spec §0 defines them."""
     norm = model.blocks[layer].ln1
-    field = cache[f"blocks.{layer}.ln1.hook_normalized"] * norm.w
+    # the normalised residual from its definition: (x - mean x) / scale * w + b (LayerNorm),
+    # x / scale * w (RMSNorm); hook_normalized holds it with or without the affine part
+    # depending on the TransformerLens version
+    x = cache[f"blocks.{layer}.hook_resid_pre"]
+    if hasattr(norm, "b"):
+        x = x - x.mean(-1, keepdim=True)
+    field = x / cache[f"blocks.{layer}.ln1.hook_scale"] * norm.w
     if hasattr(norm, "b"):
         field = field + norm.b
     cfg = model.cfg

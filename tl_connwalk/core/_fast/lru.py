@@ -117,7 +117,9 @@ class Memoized(Generic[P, V]):
         self.__wrapped__ = function
         self.store = store
 
-    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> V:
+    # ``Any`` rather than ``P.args``/``P.kwargs``: older beartype releases (the runtime
+    # type checker of the test suite) cannot read a ParamSpec's parts
+    def __call__(self, *args: Any, **kwargs: Any) -> V:
         key = (args, tuple(sorted(kwargs.items())))
         found = self.store.get(key)
         if found is None:
