@@ -15,8 +15,9 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from tl_connwalk.core import draws, field_defect, head_grams, isometry, laplacian, markov, padding
+from tl_connwalk.core import field_defect, isometry, laplacian, markov, padding
 from tl_connwalk.core import walk as core_walk
+from tl_connwalk.core.caches import HeadGrams, LayerDraws, head_grams, layer_draws
 from tl_connwalk.core.isometry import RandomBaseline
 from tl_connwalk.core.laplacian import NearestOperatorDistance
 from tl_connwalk.errors import ConnWalkError
@@ -246,15 +247,16 @@ def laplacian_residual(
             renormalised over them; ``mass_covered`` reports the share they actually carry.
             ``None`` (default): every edge.
         query_chunk: query rows per chunk of the per-edge work (``None``: as many as fit
-            ``isometry.CHUNK_ENTRIES`` numbers); the results do not depend on it.
+            ``_fast.chunks.CHUNK_ENTRIES`` numbers); the results do not depend on it.
         memo: the walk's `Memo` (`ConnectionWalk` passes its own): what another call on
             the same walk can reuse; ``None``: nothing is kept.
 
     Cost: ``O(H^3 d_head^3)`` for the layer's Gram tensors, once per set of weights (they
-    are kept by content, `tl_connwalk.core.head_grams`: another cache of the same model costs
-    only a 128-bit XXH3 digest of ``W_V``, ``W_O``); the random draws' Grams are computed once per
-    head shape and seed and shared by every layer (`core.draws`), each layer rescaling them
-    to its head norms; ``O(batch n^2 H^4 / 24)`` per-edge work for the layer and each draw in
+    are kept by content, `tl_connwalk.core.caches.head_grams`: another cache of the same model
+    costs only a 128-bit XXH3 digest of ``W_V``, ``W_O``); the random draws' Grams are computed
+    once per head shape and seed and shared by every layer
+    (`tl_connwalk.core.caches.layer_draws`), each layer rescaling them to its head norms;
+    ``O(batch n^2 H^4 / 24)`` per-edge work for the layer and each draw in
     one pass over the gates; the field defect's message Grams ``O(batch n H d_head d_model)``
     for the layer and each draw (through the stored output Gram where ``H d_head <= 1024``,
     `field_defect.message_grams`). Memory stays at the size of the pattern plus the ``H^2 d_head^2``
@@ -425,9 +427,9 @@ class _LayerTerms:
     sink) share them.
 
     ``field``, ``W_V``, ``W_O`` are unit-scaled (`_unit_scaled`; ``factor`` undoes it for the
-    common scale); ``heads`` are their `head_grams.HeadGrams` (from the store shared by every
-    walk, `head_grams.head_grams`); ``layer_draws`` and ``draw_message_grams`` are memoised
-    per ``(n_draws, seed)``.
+    common scale); ``heads`` are their `HeadGrams` (from the store shared by every walk,
+    `tl_connwalk.core.caches.head_grams`); ``layer_draws`` and ``draw_message_grams`` are
+    memoised per ``(n_draws, seed)``.
     """
 
     def __init__(self, walk: MeasuredWalk) -> None:
@@ -439,13 +441,13 @@ class _LayerTerms:
         self.kv_heads = walk.kv_heads
         self.positions = walk.attention_mask
         self.rank = isometry.effective_rank(self.W_V, self.W_O, walk.kv_heads)
-        self._draws: dict[tuple[int, int], draws.LayerDraws] = {}
+        self._draws: dict[tuple[int, int], LayerDraws] = {}
         self._draw_grams: dict[tuple[int, int], list[Tensor]] = {}
 
     @functools.cached_property
-    def heads(self) -> head_grams.HeadGrams:
+    def heads(self) -> HeadGrams:
         """``K2``, folded ``K4``, head norms and defects: computed once per set of weights."""
-        return head_grams.head_grams(self.W_V, self.W_O)
+        return head_grams(self.W_V, self.W_O)
 
     @functools.cached_property
     def message_grams(self) -> Tensor:
@@ -453,18 +455,18 @@ class _LayerTerms:
             self.field, self.W_V, self.W_O, out_rows=self.heads.out_rows
         )
 
-    def layer_draws(self, n_draws: int, seed: int) -> draws.LayerDraws:
-        """`draws.layer_draws` of the (unit-scaled) weights."""
+    def layer_draws(self, n_draws: int, seed: int) -> LayerDraws:
+        """`tl_connwalk.core.caches.layer_draws` of the (unit-scaled) weights."""
         key = (n_draws, seed)
         if key not in self._draws:
-            self._draws[key] = draws.layer_draws(
+            self._draws[key] = layer_draws(
                 self.W_V, self.W_O, n_draws, seed, norms_sq=self.heads.norms_sq,
                 kv_heads=self.kv_heads,
             )  # fmt: skip
         return self._draws[key]
 
     def draw_message_grams(self, n_draws: int, seed: int) -> list[Tensor]:
-        """`draws.LayerDraws.message_grams` of the field, one draw alive at a time.
+        """`LayerDraws.message_grams` of the field, one draw alive at a time.
 
         In a padded batch each sequence's real keys are drawn for as a sequence of their
         length (the field draws depend on it), one call per length: a sequence's field
@@ -481,7 +483,7 @@ class _LayerTerms:
                 self._draw_grams[key] = self._per_length(rand, positions)
         return self._draw_grams[key]
 
-    def _per_length(self, rand: draws.LayerDraws, positions: Tensor) -> list[Tensor]:
+    def _per_length(self, rand: LayerDraws, positions: Tensor) -> list[Tensor]:
         n_heads = self.W_V.shape[0]
         grams = [
             self.field.new_zeros(*self.field.shape[:2], n_heads, n_heads)
