@@ -34,6 +34,7 @@ def test_the_package_imports_no_old_path():
     code = (
         "import pkgutil, importlib, sys, tl_connwalk\n"
         f"old = {{f'tl_connwalk.core.{{name}}' for name in {MOVED!r}}}\n"
+        "old |= {'tl_connwalk.residual', 'tl_connwalk.bridge_hooks'}\n"
         "for info in pkgutil.walk_packages(tl_connwalk.__path__, 'tl_connwalk.'):\n"
         "    if info.name not in old and not info.name.endswith('__main__'):\n"
         "        importlib.import_module(info.name)\n"
