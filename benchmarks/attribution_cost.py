@@ -6,7 +6,8 @@ Two models: SmolLM2-135M from the zoo (30 layers, d_model 576) and a GPT-2-small
 timed alternately. Peak memory is the largest resident-set growth during one call (sampled
 every 2 ms), in MiB and in ``n^2 d_model`` float32s. The baselines that rerun the model,
 knockout (one forward pass per source, batched) and value zeroing (each layer once per
-source), are timed once each, at 256 tokens:
+source), each cost about ``n`` forward passes: they are timed once each, at
+``--baseline-tokens`` (64), with the exact method and ``run_with_cache`` at that length:
 
     OMP_NUM_THREADS=1 nice python benchmarks/attribution_cost.py
 """
@@ -67,8 +68,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["smollm2-135m", "gpt2-small-random"])
     parser.add_argument(
         "--baselines", action=argparse.BooleanOptionalAction, default=True,
-        help="also time knockout and value zeroing at 256 tokens",
+        help="also time knockout and value zeroing",
     )  # fmt: skip
+    parser.add_argument("--baseline-tokens", type=int, default=64)
     args = parser.parse_args()
     torch.set_num_threads(1)
     print("| model | tokens | run_with_cache (s) | attribute (s) | ratio | peak MiB | "
@@ -78,7 +80,8 @@ def main() -> None:
     for name in args.models:
         model = gpt2_small() if name == "gpt2-small-random" else tl_connwalk.zoo.load(name)
         d_vocab, d_model = model.cfg.d_vocab, model.cfg.d_model
-        for n in args.tokens:
+        lengths = [*args.tokens, *([args.baseline_tokens] if args.baselines else [])]
+        for n in dict.fromkeys(lengths):
             tokens = torch.randint(0, d_vocab, (1, n), generator=torch.Generator().manual_seed(0))
             cache = functools.partial(model.run_with_cache, tokens)
             exact_run = functools.partial(tl_connwalk.attribute, model, tokens)
@@ -91,7 +94,7 @@ def main() -> None:
                 peaks.append(peak)
             b, e, p = statistics.median(base), statistics.median(exact), max(peaks)
             knock = "n/a | n/a | n/a | n/a"
-            if n == 256 and args.baselines:
+            if n == args.baseline_tokens and args.baselines:
                 k = measure(functools.partial(exact_run, method="knockout"))[0]
                 v = measure(functools.partial(exact_run, method="value_zeroing"))[0]
                 knock = f"{k:.1f} | {k / b:.0f} | {v:.1f} | {v / b:.0f}"
