@@ -233,6 +233,27 @@ class FrozenNetwork:
             pattern_after_z=late,
         )
 
+    def repeated(self, copies: int) -> "FrozenNetwork":
+        """This network with each sequence ``copies`` times over, to run ``F`` on several inputs
+        in one pass: copy ``c`` of sequence ``b`` is row ``c * batch + b`` (as `Tensor.repeat`
+        tiles); the clean logits are left out (``None``)."""
+
+        def tile(value: Tensor) -> Tensor:
+            return value.repeat(copies, *[1] * (value.dim() - 1))
+
+        mask = self.attention_mask
+        return dataclasses.replace(
+            self,
+            tokens=tile(self.tokens),
+            frozen={name: tile(value) for name, value in self.frozen.items()},
+            gains={name: (pre, tile(value)) for name, (pre, value) in self.gains.items()},
+            head_gains={path: tile(value) for path, value in self.head_gains.items()},
+            embeddings={name: tile(value) for name, value in self.embeddings.items()},
+            logits=None,
+            final_resid=tile(self.final_resid),
+            attention_mask=None if mask is None else tile(mask),
+        )
+
     def hooks(
         self,
         embeddings: Mapping[str, Tensor],

@@ -140,6 +140,10 @@ class Attribution:
         gradient of the target at the final residual. Summed over components it is
         ``scores``.
 
+        Cost: ``F`` is affine, so ``o_k,s = o_k(only e_s) - o_k(no embeddings)``: ``pos + 1``
+        forward passes of ``F`` per sequence, the inputs stacked on the batch in chunks of
+        bounded memory, however many components there are. Computed once and kept.
+
         >>> result = tl_connwalk.attribute(model, tokens)
         >>> parts = result.by_component()
         >>> torch.testing.assert_close(parts.sum(1), result.scores)
@@ -148,7 +152,7 @@ class Attribution:
 
     def component_names(self) -> list[str]:
         """The names of `by_component`'s components, e.g. ``["embed", "L0H0", ...]``."""
-        return self._component_parts()[0]
+        return list(self._component_parts()[0])
 
     def _component_parts(self) -> tuple[list[str], Tensor]:
         self._only("by_component")
