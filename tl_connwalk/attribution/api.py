@@ -120,7 +120,7 @@ def _mixing(frozen: FrozenNetwork, method: str, position: Tensor) -> Tensor:
     if method == "rollout":
         mixed = baselines.rollout(torch.stack([frozen.frozen[name] for name in names]))
     else:
-        layers = LAYERWISE[method](frozen.model, frozen.tokens)[: len(names)]
+        layers = LAYERWISE[method](frozen.model, frozen.tokens, layers=len(names))
         mixed = mixing.rolled_out(layers)
     rows = torch.arange(len(position), device=mixed.device)
     return mixed[rows, position.to(mixed.device)]

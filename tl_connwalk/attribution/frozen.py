@@ -61,7 +61,7 @@ def _stop(activation: Tensor, hook: Any) -> None:
     raise _Stop
 
 
-def _run_until(
+def run_until(
     model: nn.Module,
     tokens: Tensor,
     hooks: list[tuple[str, HookFn]],
@@ -189,7 +189,7 @@ class FrozenNetwork:
             for name in [*wanted, final]
         ]
         with torch.no_grad(), _module_hooks(taps):
-            logits = _run_until(model, tokens, saves, stop_at, **mask_kwargs(model, attention_mask))
+            logits = run_until(model, tokens, saves, stop_at, **mask_kwargs(model, attention_mask))
         if final not in cache:
             raise ConnWalkError(
                 f"the hook point {final!r} does not fire in {type(model).__name__}'s forward "
@@ -329,7 +329,7 @@ class FrozenNetwork:
         with warnings.catch_warnings(), _module_hooks(frozen_heads):
             # a Bridge's native-norm path warns that an edited hook_scale changes its rounding
             warnings.filterwarnings("ignore", message=".*edited hook_scale")
-            return _run_until(
+            return run_until(
                 self.model,
                 self.tokens,
                 hooks,
