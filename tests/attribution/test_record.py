@@ -1,6 +1,8 @@
 """``Attribution.by_component`` and ``Attribution.edges`` against TransformerLens and autograd."""
 
 import functools
+import sys
+import types
 from typing import Any
 
 import pytest
@@ -18,6 +20,7 @@ from tests.architectures import (
 from tests.attribution import reference
 from tests.attribution.test_connection import FROZEN_TERMS
 from tests.tolerances import rtol
+from tests.views.pages import Page
 from tl_connwalk import Attribution
 from tl_connwalk.attribution import api, connection, targets
 from tl_connwalk.attribution.frozen import FrozenNetwork
@@ -256,3 +259,24 @@ def test_to_dataframe_and_repr(gpt2):
     )
     assert frame["target"][0] == "logit[3] @ 8"
     assert "method='connection'" in repr(result)
+
+
+def test_show_displays_the_page_to_html_writes(gpt2, tmp_path, monkeypatch):
+    """``show`` and ``to_html`` draw one view: the same numbers, routes and labels."""
+    shown = []
+    display = types.ModuleType("IPython.display")
+    display.HTML = lambda text: text  # type: ignore[attr-defined]
+    display.display = shown.append  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "IPython", types.ModuleType("IPython"))
+    monkeypatch.setitem(sys.modules, "IPython.display", display)
+    result = tl_connwalk.attribute(gpt2, tokens(), target=3)
+    labels = [[f"t{i}" for i in range(9)]] * 2
+    cases = [(None, [0, 0]), (2, [2, 2]), (result.routes(3, batch=1), [0, 3])]
+    for routes, counts in cases:
+        written = result.to_html(tmp_path / "a.html", str_tokens=labels, routes=routes, top_edges=2)
+        result.show(str_tokens=labels, routes=routes, top_edges=2)
+        expected = Page(written.read_text(encoding="utf-8")).data()
+        assert Page(shown.pop()).data() == expected
+        assert expected["sequences"][0]["tokens"] == labels[0]
+        listed = [len(seq["routes"] or []) for seq in expected["sequences"]]
+        assert listed == counts
