@@ -177,7 +177,7 @@ def _check_components(model: nn.Module, target: targets.Target) -> None:
         )
 
 
-def component_covectors(
+def _component_covectors(
     frozen: FrozenNetwork, target: targets.Target, cap_gain: Tensor
 ) -> tuple[list[str], Float[Tensor, "batch d_model"], list[Float[Tensor, "batch head d_head"]]]:
     """The components' names, ``g`` (the frozen gradient of the target at the final residual,
@@ -266,11 +266,11 @@ def components(
 
     Cost: ``(pos + 1) * batch`` forward passes of ``F`` up to the last block's residual (no
     unembedding), in chunks whose repeated frozen values (patterns, scales, MLP gains) hold at
-    most `COMPONENT_CHUNK_ENTRIES` entries, plus one forward and backward pass for ``g``;
-    independent of the number of components.
+    most `COMPONENT_CHUNK_ENTRIES` entries (one input at least), plus one forward and backward
+    pass for ``g``; independent of the number of components.
     """
     _check_components(frozen.model, target)
-    names, g, heads = component_covectors(frozen, target, cap_gain)
+    names, g, heads = _component_covectors(frozen, target, cap_gain)
     n_pos = frozen.tokens.shape[1]
     values = [*frozen.frozen.values(), *frozen.head_gains.values(), *frozen.embeddings.values()]
     values += [value for _, value in frozen.gains.values()]
