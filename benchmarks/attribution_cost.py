@@ -4,8 +4,9 @@ Two models: SmolLM2-135M from the zoo (30 layers, d_model 576) and a GPT-2-small
 ``HookedTransformer`` (12 layers, d_model 768, 12 heads, vocabulary 50,257); one sequence of
 256 and of 1,024 tokens; one CPU thread; the median of ``--repeats`` runs of each, the two
 timed alternately. Peak memory is the largest resident-set growth during one call (sampled
-every 2 ms), in MiB and in ``n^2 d_model`` float32s. Knockout (one forward pass per source)
-is timed once, at 256 tokens:
+every 2 ms), in MiB and in ``n^2 d_model`` float32s. The baselines that rerun the model,
+knockout (one forward pass per source, batched) and value zeroing (each layer once per
+source), are timed once each, at 256 tokens:
 
     OMP_NUM_THREADS=1 nice python benchmarks/attribution_cost.py
 """
@@ -64,12 +65,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokens", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--models", nargs="+", default=["smollm2-135m", "gpt2-small-random"])
-    parser.add_argument("--knockout", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--baselines", action=argparse.BooleanOptionalAction, default=True,
+        help="also time knockout and value zeroing at 256 tokens",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
     print("| model | tokens | run_with_cache (s) | attribute (s) | ratio | peak MiB | "
-          "peak / n^2 d_model floats | knockout (s) | knockout ratio |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "peak / n^2 d_model floats | knockout (s) | knockout ratio | value zeroing (s) | "
+          "value zeroing ratio |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in args.models:
         model = gpt2_small() if name == "gpt2-small-random" else tl_connwalk.zoo.load(name)
         d_vocab, d_model = model.cfg.d_vocab, model.cfg.d_model
@@ -85,10 +90,11 @@ def main() -> None:
                 exact.append(seconds)
                 peaks.append(peak)
             b, e, p = statistics.median(base), statistics.median(exact), max(peaks)
-            knock = "n/a | n/a"
-            if n == 256 and args.knockout:
+            knock = "n/a | n/a | n/a | n/a"
+            if n == 256 and args.baselines:
                 k = measure(functools.partial(exact_run, method="knockout"))[0]
-                knock = f"{k:.1f} | {k / b:.0f}"
+                v = measure(functools.partial(exact_run, method="value_zeroing"))[0]
+                knock = f"{k:.1f} | {k / b:.0f} | {v:.1f} | {v / b:.0f}"
             print(f"| {name} | {n} | {b:.2f} | {e:.2f} | {e / b:.2f} | {p / 2**20:.0f} | "
                   f"{p / (4 * n * n * d_model):.2f} | {knock} |", flush=True)  # fmt: skip
 

@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 from transformer_lens import ActivationCache
 
 import tl_connwalk
-from tl_connwalk.core import draws, head_grams
+from tl_connwalk.core._fast import draws, head_grams
 from tl_connwalk.toy import VOCAB, random_bridge
 
 

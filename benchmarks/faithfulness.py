@@ -162,14 +162,22 @@ def batch_of(group: list[Target]) -> tuple[Tensor, Tensor, Tensor]:
     return tokens, position, token
 
 
-def run_ours(model: nn.Module, group: list[Target]) -> None:
+def run_ours(model: nn.Module, group: list[Target], problems: dict[str, str]) -> None:
+    """Every `attribute` method on the group; a method the model's architecture does not
+    admit (a ConnWalkError) is recorded in ``problems`` with its reason."""
     tokens, position, token = batch_of(group)
     for method in OURS:
-        result, seconds = timed(
-            lambda method=method: tl_connwalk.attribute(
-                model, tokens, target=token, position=position, method=method
+        if method in problems:
+            continue
+        try:
+            result, seconds = timed(
+                lambda method=method: tl_connwalk.attribute(
+                    model, tokens, target=token, position=position, method=method
+                )
             )
-        )
+        except tl_connwalk.ConnWalkError as error:
+            problems[method] = str(error).split(" Use ")[0]
+            continue
         for b, t in enumerate(group):
             t.scores[method] = result.scores[b].detach().double()
             t.seconds[method] = seconds / len(group)
@@ -404,12 +412,12 @@ def bootstrap(values: list[float], clusters: list[Any], seed: int = 0) -> tuple[
 # ----------------------------------------------------------------------------- ladder
 
 
-def repeated(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """``hook`` with a one-sequence frozen value tiled over a batch of blocked runs (also
+def repeated(inner: Callable[..., Any]) -> Callable[..., Any]:
+    """``inner`` with a one-sequence frozen value tiled over a batch of blocked runs (also
     where the activation is flattened, batch first, as in a query/key norm)."""
 
-    def tiled(activation: Tensor, hook_point: Any) -> Any:
-        out = hook(activation, hook_point)
+    def tiled(activation: Tensor, hook: Any) -> Any:
+        out = inner(activation, hook=hook)
         if isinstance(out, Tensor) and out.shape[0] != activation.shape[0]:
             out = out.repeat(activation.shape[0] // out.shape[0], *[1] * (out.ndim - 1))
         return out
@@ -495,7 +503,7 @@ def run_model(
         for w, ids in enumerate(windows(model, text, args.tokens, args.windows)):
             group = targets_of(model, name, domain, w, ids)
             base = baseline_seconds(model, group[0].tokens)
-            run_ours(model, group)
+            run_ours(model, group, problems)
             run_knockout(model, group)
             if "captum" in peers:
                 run_captum(model, group)

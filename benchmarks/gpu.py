@@ -38,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench
 
 import tl_connwalk
-from tl_connwalk.core import head_grams, isometry, quartic
+from tl_connwalk.core import isometry
+from tl_connwalk.core._fast import head_grams, quartic
 from tl_connwalk.toy import VOCAB
 
 ROOT = Path(__file__).parent.parent

@@ -29,7 +29,7 @@ from tests.core.problems import Problem, random_problem
 from tests.core.test_draws import ATOL, KEYED, field_reference, reference_baselines, residual_of
 from tests.tolerances import assert_close, cancelling_atol, rtol
 from tl_connwalk import LaplacianResidual
-from tl_connwalk.core import draws
+from tl_connwalk.core._fast import draws
 from tl_connwalk.report.measure import output_hook
 from tl_connwalk.toy import random_bridge
 

@@ -15,10 +15,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "debug"),
     ("core",),
     ("views",),
-    ("walk", "residual"),
-    ("adapters", "hooks", "bridge_hooks"),
+    ("walk",),
+    ("adapters", "hooks"),
     ("cache", "analysis", "plugin", "ablations", "attribution", "distributed"),
-    ("", "__main__", "cli", "report", "zoo", "corpus", "toy"),
+    ("", "__main__", "cli", "report", "zoo", "corpus", "toy", "residual", "bridge_hooks"),
 )
 
 
@@ -70,7 +70,7 @@ def layer_of(name: str) -> int:
 
 
 def test_the_graph_is_read() -> None:
-    assert "tl_connwalk.core.walk" in GRAPH["tl_connwalk.walk"]
+    assert "tl_connwalk.core.walk" in GRAPH["tl_connwalk.walk.connection"]
     assert "tl_connwalk.errors" in GRAPH["tl_connwalk.core.markov"]
     assert len(GRAPH) > 40
 

@@ -16,9 +16,10 @@ import cycle (type-only imports included; ``tests/test_layering.py`` checks both
    per-edge closed forms, message Grams, the caches' stores) live in the private
    ``core._fast``, which nothing outside ``core`` imports. ``views`` renders pages from
    tensors on top of it.
-3. ``walk``, ``residual``: the objects a user holds for one layer (`ConnectionWalk`,
-   `LaplacianResidual`), built from tensors.
-4. ``adapters``, ``hooks``, ``bridge_hooks``: reading walks out of TransformerLens models.
+3. ``walk``: the objects a user holds for one layer (`ConnectionWalk`, `LaplacianResidual`),
+   built from tensors.
+4. ``adapters``, ``hooks``: reading walks out of TransformerLens models, and the
+   connection-walk hook points.
 5. ``cache``, ``analysis``, ``plugin``, ``ablations``, ``attribution``, ``distributed``: what
    works on a model or its activation cache.
 6. ``report``, ``cli``, ``zoo``, ``corpus``, ``toy`` and this package's namespace: the
@@ -45,8 +46,8 @@ from tl_connwalk.errors import ConnWalkError as ConnWalkError
 from tl_connwalk.plugin import attach as attach
 from tl_connwalk.plugin import detach as detach
 from tl_connwalk.plugin import is_attached as is_attached
-from tl_connwalk.residual import LaplacianResidual as LaplacianResidual
 from tl_connwalk.walk import ConnectionWalk as ConnectionWalk
+from tl_connwalk.walk.residual import LaplacianResidual as LaplacianResidual
 
 __version__ = "0.1.0.dev0"
 

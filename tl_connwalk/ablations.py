@@ -23,7 +23,7 @@ output weights ``W_O^h R^h`` with ``W_V^h`` and ``b_V^h`` kept (so ``b_V^h`` goe
 patched map like the rest of the value); see `tl_connwalk.core.transport_patches`.
 
 Works on ``HookedTransformer`` and decoder ``TransformerBridge`` models (grouped-query ``W_V``
-expanded here); a BERT Bridge refuses edits with `ConnWalkError` (see `tl_connwalk.bridge_hooks`).
+expanded here); a BERT Bridge refuses edits with `ConnWalkError` (see `tl_connwalk.hooks.bridge`).
 
 >>> model = tl_connwalk.attach(model)
 >>> patch = isometric_transport(model, 1, head=2)

@@ -1,7 +1,7 @@
 """Tables over layers: layer drift and the tidy geometry table of a cache (spec §3, 5).
 
 Each function reads one cache and walks its layers with a progress bar; the per-layer work is
-`tl_connwalk.residual` and the math core.
+`tl_connwalk.walk.residual` and the math core.
 """
 
 import itertools
@@ -18,8 +18,8 @@ from tl_connwalk.cache import connection_walk, n_layers_of, walk_matrix
 from tl_connwalk.core import markov, padding
 from tl_connwalk.core.walk import check_heads
 from tl_connwalk.errors import ConnWalkError
-from tl_connwalk.residual import LaplacianResidual
 from tl_connwalk.walk import ConnectionWalk
+from tl_connwalk.walk.residual import LaplacianResidual
 
 
 def layer_drift(
@@ -40,7 +40,7 @@ def layer_drift(
     A padded batch (``attention_mask`` ``[batch, pos]``, or padding read off the patterns as
     in `tl_connwalk.cache.connection_walk`) compares only the rows and keys of real tokens,
     so each sequence's drift is its drift alone. ``edges`` (an edge mask as in
-    `tl_connwalk.residual.laplacian_residual`) compares only those edges, rows renormalised
+    `tl_connwalk.walk.residual.laplacian_residual`) compares only those edges, rows renormalised
     over them; ``heads`` compares the walks of those heads alone (the same heads in every
     layer).
 
@@ -113,7 +113,7 @@ def geometry_table(
 
     ``attention_mask`` ``[batch, pos]`` marks the padding of a padded batch (else it is read
     off the cache, `tl_connwalk.cache.connection_walk`): each sequence counts as if it ran
-    alone. ``edges`` (an edge mask, see `tl_connwalk.residual.laplacian_residual`) and
+    alone. ``edges`` (an edge mask, see `tl_connwalk.walk.residual.laplacian_residual`) and
     ``heads`` (the walk of those heads alone, the same heads in every layer; the ``head``
     rows are those heads) scope every walk-weighted column and the drift.
 

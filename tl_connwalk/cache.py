@@ -19,8 +19,8 @@ from tl_connwalk.adapters.checks import check_layer_devices
 from tl_connwalk.core import walk as core_walk
 from tl_connwalk.core.isometry import working_dtype
 from tl_connwalk.errors import ConnWalkError
-from tl_connwalk.residual import LaplacianResidual
 from tl_connwalk.walk import ConnectionWalk
+from tl_connwalk.walk.residual import LaplacianResidual
 
 
 def required_hooks(model: nn.Module, layers: Iterable[int] | int | None = None) -> list[str]:

@@ -3,7 +3,7 @@
 ``import tl_connwalk`` changes nothing. ``attach(model)`` checks the model is supported, adds
 the connection-walk hook points to ``HookedTransformer``/``HookedEncoder`` models
 and ``TransformerBridge`` models
-(`tl_connwalk.hooks`, `tl_connwalk.bridge_hooks`) and registers the cache methods on
+(`tl_connwalk.hooks`, `tl_connwalk.hooks.bridge`) and registers the cache methods on
 ``ActivationCache`` (``cache.connection_walk(layer)``), refusing to overwrite an attribute it
 did not create; ``detach(model)`` undoes exactly that. Methods on
 the class, not a cache subclass, because TransformerLens builds plain ``ActivationCache``
@@ -26,12 +26,13 @@ from typing import Any, cast
 from torch import nn
 from transformer_lens import ActivationCache
 
-from tl_connwalk import bridge_hooks, hooks
 from tl_connwalk.adapters import adapter_for
 from tl_connwalk.adapters.versions import is_bridge
 from tl_connwalk.analysis import geometry_table, layer_drift
 from tl_connwalk.cache import connection_walk, laplacian_residual, walk_matrix
 from tl_connwalk.errors import ConnWalkError
+from tl_connwalk.hooks import bridge as bridge_hooks
+from tl_connwalk.hooks import hooked_transformer as hooks
 
 #: The methods ``attach`` registers on ``ActivationCache``, by name.
 CACHE_METHODS: dict[str, Callable[..., Any]] = {
@@ -162,7 +163,8 @@ def _reattached(model: nn.Module | None, registry: dict[str, Any] | None) -> _At
 
 
 def _hooks_module(model: nn.Module) -> Any:
-    """`tl_connwalk.bridge_hooks` for a ``TransformerBridge``, else `tl_connwalk.hooks`."""
+    """`tl_connwalk.hooks.bridge` for a ``TransformerBridge``, else
+    `tl_connwalk.hooks.hooked_transformer`."""
     return bridge_hooks if is_bridge(model) else hooks
 
 
@@ -179,7 +181,7 @@ def attach(model: nn.Module) -> nn.Module:
     its caches, and on
     ``HookedTransformer``/``HookedEncoder``/``TransformerBridge`` the hook points
     ``blocks.{l}.attn.hook_conn_walk``, ``hook_conn_gates`` and ``hook_conn_messages``
-    (`tl_connwalk.hooks`, `tl_connwalk.bridge_hooks`). Idempotent;
+    (`tl_connwalk.hooks`, `tl_connwalk.hooks.bridge`). Idempotent;
     changes no parameter, buffer, output or config. Returns ``model``.
 
     An unfiltered ``model.run_with_cache(tokens)`` then caches ``hook_conn_walk`` (``1 / H`` of

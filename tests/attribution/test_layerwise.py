@@ -277,6 +277,34 @@ def test_alti_refuses_a_norm_after_attention():
         tl_connwalk.attribute(build("ln_post_gemma_like"), tokens(), method="alti")
 
 
+@hooked_only
+@pytest.mark.parametrize("method", METHODS)
+def test_a_repeated_sequence_is_measured_once(method, monkeypatch):
+    """Several targets on one text: the layer-wise method runs on the distinct sequences only,
+    and each row is what that sequence gives alone."""
+    from tl_connwalk.attribution import api
+
+    model, toks = build("gpt2_ln", dtype=torch.float64), tokens()
+    batch = toks[[0, 1, 0, 0]]
+    position = torch.tensor([3, 5, 7, 2])
+    seen = []
+    measure = api.LAYERWISE[method]
+    monkeypatch.setitem(
+        api.LAYERWISE,
+        method,
+        lambda m, t, **kwargs: seen.append(t.shape[0]) or measure(m, t, **kwargs),
+    )
+    together = tl_connwalk.attribute(model, batch, position=position, method=method)
+    assert seen == [2]
+    for b in range(4):
+        alone = tl_connwalk.attribute(
+            model, batch[b : b + 1], position=int(position[b]), method=method
+        )
+        torch.testing.assert_close(
+            together.scores[b], alone.scores[0], rtol=0, atol=tolerances.atol(torch.float64)
+        )
+
+
 LAYERWISE_MODELS = {
     "gpt2_ln": lambda: (build("gpt2_ln", dtype=torch.float64), tokens()),
     "encoder": lambda: (hooked_encoder().to(torch.float64), tokens()),

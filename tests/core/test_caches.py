@@ -3,8 +3,7 @@
 import torch
 
 import tl_connwalk
-from tl_connwalk.core import draws, head_grams
-from tl_connwalk.core._fast import lru
+from tl_connwalk.core._fast import draws, head_grams, lru
 from tl_connwalk.walk import ConnectionWalk
 
 NAMES = {

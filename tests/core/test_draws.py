@@ -17,10 +17,9 @@ import torch
 
 from tests.core.problems import random_problem
 from tests.tolerances import assert_close, atol, cancelling_atol
-from tl_connwalk.core import draws, head_grams
 from tl_connwalk.core import isometry as iso
 from tl_connwalk.core import reference as ref
-from tl_connwalk.core._fast import chunks
+from tl_connwalk.core._fast import chunks, draws, head_grams
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.walk import ConnectionWalk
 

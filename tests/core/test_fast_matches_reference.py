@@ -26,9 +26,10 @@ import tl_connwalk
 from tests.architectures import build, hooked_only, tokens
 from tests.core.problems import Problem, random_problem, symmetric_problem
 from tests.tolerances import assert_close, atol, cancelling_atol
-from tl_connwalk.core import draws, field_defect, generator, isometry, laplacian, markov
+from tl_connwalk.core import field_defect, generator, isometry, laplacian, markov
 from tl_connwalk.core import reference as ref
 from tl_connwalk.core import walk as core_walk
+from tl_connwalk.core._fast import draws
 from tl_connwalk.core.value_heads import grouped_value_heads
 from tl_connwalk.walk import ConnectionWalk
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.core.problems import random_problem
-from tl_connwalk.core import head_grams
 from tl_connwalk.core import isometry as iso
+from tl_connwalk.core._fast import head_grams
 from tl_connwalk.walk import ConnectionWalk
 
 

@@ -1,4 +1,4 @@
-"""The per-edge forms by monomials (`tl_connwalk.core.quartic`).
+"""The per-edge forms by monomials (`tl_connwalk.core._fast.quartic`).
 
 References: ``u^T F u`` and ``g^T K2 g`` evaluated directly in float64 on every edge; the
 cost model's ranges against every set of cut points.
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.tolerances import assert_close
-from tl_connwalk.core import quartic
+from tl_connwalk.core._fast import quartic
 
 F64 = torch.float64
 

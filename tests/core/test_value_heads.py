@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from tests.core.problems import F64, random_problem
-from tl_connwalk.core import draws, value_heads
 from tl_connwalk.core import isometry as iso
 from tl_connwalk.core import reference as ref
-from tl_connwalk.core._fast import chunks
+from tl_connwalk.core import value_heads
+from tl_connwalk.core._fast import chunks, draws
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.walk import ConnectionWalk
 
@@ -236,8 +236,8 @@ def test_grouped_baselines_match_draws_with_shared_value_heads(route, monkeypatc
 
 
 def test_grouped_draws_equal_fresh_draws_per_measurement():
-    """The draws shared by every layer (`core.draws`) are those of `isometry.random_baselines`
-    with the same seed and map, measurement by measurement."""
+    """The draws shared by every layer (`tl_connwalk.core._fast.draws`) are those of
+    `isometry.random_baselines` with the same seed and map, measurement by measurement."""
     draws.raw_draws.cache_clear()
     p, W_V = grouped_problem(6, 2, 10, 3, seed=5, causal=True)
     kv = value_heads.grouped_value_heads(6, 2)

@@ -113,15 +113,17 @@ def _real_position(position: int | Tensor, mask: Tensor) -> Tensor:
 
 def _mixing(frozen: FrozenNetwork, method: str, position: Tensor) -> Tensor:
     """Row ``position`` of a rolled-out mixing method (``rollout`` or a layer-wise one) over
-    the layers that ran before the target."""
+    the layers that ran before the target. A layer-wise method measures each distinct
+    sequence of the batch once (a batch of targets on one text costs one sequence)."""
     names = [name for name in pattern_hooks(frozen.model) if name in frozen.frozen]
     if not names:  # the target is read before any attention: the identity
         return torch.eye(frozen.tokens.shape[1], device=position.device)[position]
     if method == "rollout":
         mixed = baselines.rollout(torch.stack([frozen.frozen[name] for name in names]))
     else:
-        layers = LAYERWISE[method](frozen.model, frozen.tokens, layers=len(names))
-        mixed = mixing.rolled_out(layers)
+        distinct, inverse = torch.unique(frozen.tokens, dim=0, return_inverse=True)
+        layers = LAYERWISE[method](frozen.model, distinct, layers=len(names))
+        mixed = mixing.rolled_out(layers)[inverse]
     rows = torch.arange(len(position), device=mixed.device)
     return mixed[rows, position.to(mixed.device)]
 

@@ -3,14 +3,16 @@
 Five stores keep what depends on weights or shapes, not on tokens, so that every layer,
 batch and prompt of a model shares it (docs/performance.md, "Caches"):
 
-- ``core.head_grams``: each layer's head Gram tensors (`tl_connwalk.core.head_grams`), by an
-  XXH3 digest of the weights, at most ``head_grams.CACHE_BYTES`` bytes (256 MiB);
+- ``core.head_grams``: each layer's head Gram tensors (`head_grams`), by an XXH3 digest of
+  the weights, at most 256 MiB;
 - ``core.draws.raw_draws``, ``core.draws.key_draws``: the random baselines' draws for the
-  last two head shapes (`tl_connwalk.core.draws`);
+  last two head shapes (`layer_draws` rescales them to a layer);
 - ``core.quartic.ranges``, ``core.quartic.layout``: the quartic forms' index plans for the
-  last 16 and 8 head counts (`tl_connwalk.core.quartic`).
+  last 16 and 8 head counts.
 
-Results never depend on them: a cleared cache is filled again with the same numbers.
+Results never depend on them: a cleared cache is filled again with the same numbers. The
+stores themselves are private (``tl_connwalk.core._fast``); `head_grams` and `layer_draws`
+are the two cached terms a layer's measurements read (`tl_connwalk.residual`).
 
 >>> import tl_connwalk
 >>> sorted(tl_connwalk.caches())[0]
@@ -20,13 +22,25 @@ Results never depend on them: a cleared cache is filled again with the same numb
 0
 """
 
-from tl_connwalk.core import draws, head_grams, quartic
-from tl_connwalk.core._fast import lru
+from tl_connwalk.core._fast import draws, lru, quartic
+from tl_connwalk.core._fast import head_grams as _head_grams
+from tl_connwalk.core._fast.draws import LayerDraws, layer_draws
+from tl_connwalk.core._fast.head_grams import HeadGrams, head_grams
+
+__all__ = [
+    "CacheInfo",
+    "HeadGrams",
+    "LayerDraws",
+    "caches",
+    "clear_caches",
+    "head_grams",
+    "layer_draws",
+]
 
 CacheInfo = lru.CacheInfo
 
 #: the modules whose stores `caches` lists (imported here, so each has registered its own)
-_HOLDERS = (draws, head_grams, quartic)
+_HOLDERS = (draws, _head_grams, quartic)
 
 
 def caches() -> dict[str, CacheInfo]:

@@ -178,7 +178,7 @@ def ratio_defect(
     """``sqrt(spread / size)`` with ``0/0 = 0`` (the zero map) and rounding clamped to [0, 1].
 
     Raises if either is not finite (float overflow: rescale the transports towards norm 1,
-    as `tl_connwalk.residual.laplacian_residual` does) rather than let a NaN pass as 0.
+    as `tl_connwalk.walk.residual.laplacian_residual` does) rather than let a NaN pass as 0.
     """
     if not all_finite(spread, size):
         raise ConnWalkError(

@@ -127,7 +127,7 @@ def message_norm_ratios(
 
     0 where ``x_j = 0``. Every ``(i, j)`` gets a value; weight by the walk to keep edges.
     Chunked over queries (``query_chunk`` rows, ``None``: as many as fit
-    ``isometry.CHUNK_ENTRIES`` numbers); the result does not depend on the chunking. With
+    ``_fast.chunks.CHUNK_ENTRIES`` numbers); the result does not depend on the chunking. With
     ``walk``, each chunk stops at its last edge's key and leaves 0 beyond (the future of a
     causal walk): the same values on every edge, about half the work. ``grams``: the
     `message_grams` of ``field``, ``W_V``, ``W_O`` when already computed.
@@ -284,7 +284,7 @@ def head_field_isometry_defects(
     ``(i, j)`` weighs ``A^h_ij`` and carries ``rho^h_j``. Since ``rho^h_j`` depends on the key
     only, the weighted sums run over keys with column weights ``sum_i A^h_ij`` (rows
     renormalised first when keys are dropped): ``O(batch n^2 H)`` time, chunked over queries
-    (``query_chunk`` rows; ``None``: ``isometry.CHUNK_ENTRIES`` numbers per chunk). ``edges``
+    (``query_chunk`` rows; ``None``: ``_fast.chunks.CHUNK_ENTRIES`` numbers per chunk). ``edges``
     ``[batch, query, key]`` keeps only those edges of every head's walk, rows renormalised.
 
     >>> A = torch.softmax(torch.randn(1, 2, 3, 3), -1)

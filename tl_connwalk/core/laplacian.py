@@ -28,7 +28,7 @@ from tl_connwalk.core.checks import check_heads, check_optional_count, working_d
 from tl_connwalk.core.markov import _check_walk
 from tl_connwalk.errors import ConnWalkError
 
-#: The chunks' working-memory budget (`tl_connwalk.core.isometry.CHUNK_ENTRIES`), old name.
+#: The chunks' working-memory budget, as read (``_fast.chunks.CHUNK_ENTRIES`` sets it).
 CHUNK_ENTRIES = chunks.CHUNK_ENTRIES
 #: Number of ``d_model x max(d_model, H d_head)`` tensors one edge holds at peak in a chunk.
 _TENSORS_PER_EDGE = 10

@@ -23,7 +23,7 @@ from transformer_lens import ActivationCache
 from tl_connwalk.adapters.versions import is_bridge
 from tl_connwalk.analysis import layer_drift
 from tl_connwalk.cache import connection_walk, required_hooks
-from tl_connwalk.residual import LaplacianResidual
+from tl_connwalk.walk.residual import LaplacianResidual
 
 
 @dataclasses.dataclass(frozen=True)

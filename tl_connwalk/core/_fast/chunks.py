@@ -6,7 +6,7 @@ import torch
 from einops import reduce
 from torch import Tensor
 
-from tl_connwalk.core.quartic import QuarticRows
+from tl_connwalk.core._fast.quartic import QuarticRows
 
 #: Working-memory budget (entries) of the chunked contractions below.
 CHUNK_ENTRIES = 2**24

@@ -9,9 +9,10 @@ from einops import einsum, rearrange
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from tl_connwalk.core import quartic
+from tl_connwalk.core._fast import quartic
 from tl_connwalk.core._fast.chunks import edge_block, edge_chunks, query_chunks
 from tl_connwalk.core._fast.grams import fold_pairs
+from tl_connwalk.core._fast.quartic import QuarticRows
 from tl_connwalk.core.checks import (
     cast_gates,
     check_chunk,
@@ -23,7 +24,6 @@ from tl_connwalk.core.checks import (
     ratio_defect,
     working_dtype,
 )
-from tl_connwalk.core.quartic import QuarticRows
 from tl_connwalk.core.weighted import edge_weights
 from tl_connwalk.errors import ConnWalkError
 
@@ -51,13 +51,13 @@ def _family_gram_defects(g: Tensor, rows: QuarticRows, rank: int) -> tuple[Tenso
     """``eps`` and ``sum sigma^2`` of the edges with gates ``g`` ``[head, edge]``, per family:
     two ``[family, edge]``.
 
-    The families (`tl_connwalk.core.quartic.quartic_rows`: a layer and its random draws, say)
+    The families (`tl_connwalk.core._fast.quartic.quartic_rows`: a layer and its random draws, say)
     share the gates, so each block of edges (`edge_block`) is read once and multiplied by
     every family's Grams at once::
 
         sum sigma^2 = H^2 g^T K2[f] g,    sum sigma^4 = H^4 u^T fold(K4[f]) u,  u_{ac} = g^a g^c
 
-    the quartic monomial by monomial (`tl_connwalk.core.quartic.forms`). Blocks keep the
+    the quartic monomial by monomial (`tl_connwalk.core._fast.quartic.forms`). Blocks keep the
     temporaries in cache: the work is bound by memory traffic as much as by flops.
     """
     n_heads = g.shape[0]
@@ -152,7 +152,7 @@ def folded_edge_gram_defects(
     query_chunk: int | None = None,
 ) -> Float[Tensor, "batch query key"]:
     """`edge_gram_defects` from the folded ``pair_gram = fold_pairs(K4)`` (the form
-    `tl_connwalk.core.head_grams.HeadGrams` keeps) instead of ``K4``; the same values.
+    `tl_connwalk.core._fast.head_grams.HeadGrams` keeps) instead of ``K4``; the same values.
 
     >>> A = torch.softmax(torch.randn(1, 2, 4, 4), -1)
     >>> from tl_connwalk.core._fast.grams import gram_matrices

@@ -8,8 +8,8 @@ from jaxtyping import Float
 from torch import Tensor
 
 from tl_connwalk.core._fast.chunks import CHUNK_ENTRIES
+from tl_connwalk.core._fast.quartic import head_pairs
 from tl_connwalk.core.checks import cast_heads
-from tl_connwalk.core.quartic import head_pairs
 
 
 def _products(left: Tensor, right: Tensor) -> Tensor:
@@ -161,7 +161,7 @@ def fold_pairs(K4: Float[Tensor, "head head head head"]) -> Float[Tensor, "pair 
     and ``g^a g^c`` is symmetric in ``a, c``: folding each unordered pair into one coordinate
     cuts the per-edge work of ``sum g^a g^b g^c g^e K4[a,b,c,e]`` from ``H^4`` to ``~H^4 / 4``:
     ``sum sigma^4(T_ij) = H^4 u^T F u`` with ``u_{ac} = g^a g^c`` (evaluated through its
-    ``~H^4 / 24`` distinct monomials, `tl_connwalk.core.quartic`).
+    ``~H^4 / 24`` distinct monomials, `tl_connwalk.core._fast.quartic`).
 
     >>> fold_pairs(torch.ones(2, 2, 2, 2))
     tensor([[1., 2., 1.],

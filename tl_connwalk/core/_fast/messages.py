@@ -87,14 +87,14 @@ def message_grams(
     Without ``out_rows``, through the messages ``m^h_j = (x_j W_V^h) W_O^h``:
     ``O(batch n H d_head d_model + batch n H^2 d_model)`` time. With ``out_rows``, the upper
     block rows of ``W_O^cat W_O^cat^T`` (blocks ``W_O^a W_O^b^T``, packed by
-    `output_gram_rows`; `tl_connwalk.core.head_grams.HeadGrams` keeps them for narrow
+    `output_gram_rows`; `tl_connwalk.core._fast.head_grams.HeadGrams` keeps them for narrow
     layers), through the values ``v^a_j = x_j W_V^a`` alone::
 
         G_j[a,b] = v^a_j (W_O^a W_O^b^T) v^b_j^T
 
     for the pairs ``a <= b``: ``O(batch n H d_head (d_model + H d_head / 2))``, 1.6x faster at
     256 tokens and 2.6x at 1024 for GPT-2 small's heads (one CPU thread). Either way a block of
-    keys at a time (at most ``isometry.CHUNK_ENTRIES / 4`` entries of its temporaries); the
+    keys at a time (at most ``_fast.chunks.CHUNK_ENTRIES / 4`` entries of its temporaries); the
     ``d_model x d_model`` maps ``T^h`` are never formed.
 
     >>> field, W_V, W_O = torch.randn(1, 3, 8), torch.randn(2, 8, 4), torch.randn(2, 4, 8)
@@ -137,7 +137,7 @@ def factored_message_grams(
     ``values`` is ``[rank, H d_head]`` (heads side by side); the output side is ``out_rows``
     (as in `message_grams`) or else ``W_O``. A random baseline's values ``X R_V`` are, in
     distribution, ``L Y`` with ``L L^T = X X^T`` and ``Y`` standard Gaussian
-    (`tl_connwalk.core.draws.key_factor`): ``O(n^2 H d_head)`` instead of
+    (`tl_connwalk.core._fast.draws.key_factor`): ``O(n^2 H d_head)`` instead of
     ``O(n d_model H d_head)`` for ``n < d_model`` keys.
 
     >>> L, Y, W_O = torch.randn(3, 3).tril(), torch.randn(3, 8), torch.randn(2, 4, 5)

@@ -159,7 +159,7 @@ class _KeyAxisName(str):
     ending in ``hook_q/k/v/z/result``, else -2, which for ``[batch, key, head, d_model]`` would be
     the head axis. The messages are laid out like ``hook_result``, so this name also claims that
     ending. Deep-copies as itself; pickles as a plain ``str``, so that a pickled cache loads
-    without tl_connwalk (`tl_connwalk.bridge_hooks.restore_key_names` renames a Bridge's points).
+    without tl_connwalk (`tl_connwalk.hooks.bridge.restore_key_names` renames a Bridge's points).
     """
 
     def endswith(self, suffix: Any, *args: Any) -> bool:

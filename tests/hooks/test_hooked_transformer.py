@@ -1,4 +1,5 @@
-"""The connection-walk hook points (tl_connwalk.hooks) on tiny random HookedTransformers.
+"""The connection-walk hook points on tiny random HookedTransformers
+(tl_connwalk.hooks.hooked_transformer).
 
 References are TransformerLens's own activations: the walk and gates from ``hook_pattern``, the
 messages against ``hook_z @ W_O`` (and ``hook_v @ W_O``), head ablation against zeroing
@@ -22,10 +23,10 @@ from transformer_lens.hook_points import HookPoint
 
 from tests.architectures import ARCHITECTURES, BASE, build, hooked_only, tokens
 from tests.tolerances import assert_close
-from tl_connwalk import hooks
 from tl_connwalk.core.walk import gates, head_messages, patterns_from_walk, walk_matrix
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.hooks import HOOK_NAMES, hook_name, install, uninstall
+from tl_connwalk.hooks import hooked_transformer as hooks
 
 pytestmark = hooked_only
 

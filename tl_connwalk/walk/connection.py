@@ -18,12 +18,12 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 from transformer_lens import FactoredMatrix
 
-from tl_connwalk import residual
 from tl_connwalk.core import edge_norms, padding, value_heads
 from tl_connwalk.core import walk as core
 from tl_connwalk.core.generator import ConnectionGenerator
 from tl_connwalk.core.value_heads import KVHeads
 from tl_connwalk.errors import ConnWalkError
+from tl_connwalk.walk import residual
 
 
 def _float_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -305,7 +305,7 @@ class ConnectionWalk:
     def laplacian_residual(self, **options: Any) -> residual.LaplacianResidual:
         """How far ``L = I - P`` is from a random-walk connection Laplacian (spec §2-4).
 
-        Options as `tl_connwalk.residual.laplacian_residual` (``mu``, ``alpha``,
+        Options as `tl_connwalk.walk.residual.laplacian_residual` (``mu``, ``alpha``,
         ``exclude_sink``, ``edges``, ``heads``, ``baseline_draws``, ``seed``, ``exact``,
         ``max_edges``, ``mass_share``, ``query_chunk``).
 
@@ -324,7 +324,7 @@ class ConnectionWalk:
         """Per-edge defect of ``T_ij``: ``"gram"`` (eps, closed form) or ``"frobenius"`` (delta).
 
         0 where ``W_ij = 0``, on padding and off ``edges``. See
-        `tl_connwalk.residual.isometry_defects`.
+        `tl_connwalk.walk.residual.isometry_defects`.
         """
         return residual.isometry_defects(self, kind, edges=edges, heads=heads, memo=self._memo)
 

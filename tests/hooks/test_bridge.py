@@ -1,4 +1,4 @@
-"""The connection-walk hook points on ``TransformerBridge`` (tl_connwalk.bridge_hooks).
+"""The connection-walk hook points on ``TransformerBridge`` (tl_connwalk.hooks.bridge).
 
 Every toy architecture (GPT-2, grouped-query Llama, Gemma 3 with ``ln1_post``, BERT), with and
 without compatibility mode, on TransformerLens 3.x and 4.x. References are the Bridge's own
@@ -17,9 +17,9 @@ from einops import einsum
 import tl_connwalk
 from tests.architectures import BRIDGE_DECODERS, BRIDGES, bridge_tokens, cached_bridge
 from tests.tolerances import assert_close
-from tl_connwalk import bridge_hooks
 from tl_connwalk.core.walk import gates, patterns_from_walk, walk_matrix
 from tl_connwalk.errors import ConnWalkError
+from tl_connwalk.hooks import bridge as bridge_hooks
 from tl_connwalk.hooks import hook_name
 from tl_connwalk.toy import random_bridge
 

@@ -1,0 +1,245 @@
+"""The per-edge quadratic and quartic forms of the gates, monomial by monomial (spec §3).
+
+The Gram defect of an edge's effective transport (`tl_connwalk.core.isometry`) needs, for its
+gates ``g`` (``H`` heads) and each transport family (a layer, its random draws) with head Grams
+``K2`` and folded ``K4`` ``F`` (`isometry.fold_pairs`, over the ``P = H (H + 1) / 2`` head
+pairs ``a <= c``)::
+
+    s2 = g^T K2 g      = k . u        u_{ac} = g^a g^c  (the pair products)
+    s4 = sum_abce K4[a,b,c,e] g^a g^b g^c g^e = u^T F u
+
+A quartic form in ``H`` variables has only ``C(H + 3, 4)`` distinct monomials
+``g^a g^b g^c g^e`` with ``a <= b <= c <= e`` (1365 for ``H = 12``, 52360 for ``H = 32``)
+against the ``P^2`` entries of ``F`` (6084, 278784). Each is ``u_{ab} u_{ce}``: a row pair
+``(a, b)`` times a column pair ``(c, e)`` with ``b <= c``. So with ``C`` the coefficient of
+each monomial (the sum of the entries of ``F`` that multiply it)::
+
+    s4 = sum_{(a,b)} u_{ab} sum_{(c,e): c >= b} C[(a,b), (c,e)] u_{ce}
+
+In `head_pairs` order (first index major) the column pairs with ``c >= b`` are a suffix, from
+``(b, b)`` on. The rows are taken by their second index ``b``; a range ``[b0, b1)`` of it is
+one matrix product of its coefficient rows (zero where ``c < b``) with the suffix from
+``(b0, b0)``, or, where the range has fewer column pairs than row pairs, of the transposed
+coefficients with the row pairs' products (`QuarticRows`): each product writes one row per
+output pair and family, and those rows, not the multiply-adds, are most of its time on a CPU.
+The ranges and their orientations are chosen once per head count and number of families
+(`_ranges`) by a cost model of those products, measured on one CPU thread. For ``H = 12`` and
+three families: 3 ranges, 2214 multiply-adds per family and edge and 46 output rows, against
+3920 and 78 through the upper block triangle of ``F``; for ``H = 32``: 16 ranges, 56134
+against 143616 multiply-adds, 370 against 528 rows.
+"""
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+from einops import rearrange
+from torch import Tensor
+
+from tl_connwalk.core._fast.lru import memoized
+
+#: The cost model of one range's product over a block of edges, in multiply-adds per edge:
+#: a fixed cost per product and one per output row beside the ``rows x columns`` work
+#: (one CPU thread, 4096 edges: 0.086 ms, 0.93 us per row, 0.1 us per multiply-add per edge).
+PRODUCT_COST = 860
+ROW_COST = 9
+
+
+def head_pairs(n_heads: int, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
+    """The unordered head pairs ``{a, c}``, ``a <= c``, as index tensors ``(first, second)``,
+    first index major: ``(0, 0), (0, 1), ..., (0, H - 1), (1, 1), ...``."""
+    first, second = torch.triu_indices(n_heads, n_heads, device=device)
+    return first, second
+
+
+def _suffix_start(n_heads: int, b: int) -> int:
+    """Position of the pair ``(b, b)`` in `head_pairs` order: the pairs with first index ``< b``."""
+    return b * n_heads - b * (b - 1) // 2
+
+
+class _Range(NamedTuple):
+    """Row pairs with second index in ``[b0, b1)`` against the column pairs from ``(b0, b0)``.
+
+    ``transposed``: the product runs the other way round (coefficients transposed, times the
+    row pairs' products), so that it outputs one row per *column* pair, the fewer here.
+    """
+
+    b0: int
+    b1: int
+    transposed: bool
+
+    def row_pairs(self) -> slice:
+        """The range's row pairs, as positions in `_layout`'s ``rows`` order."""
+        return slice(self.b0 * (self.b0 + 1) // 2, self.b1 * (self.b1 + 1) // 2)
+
+
+def _ranges(n_heads: int, families: int) -> tuple[_Range, ...]:
+    """`_cheapest_ranges` under the current ``PRODUCT_COST`` and ``ROW_COST``."""
+    return _cheapest_ranges(n_heads, families, PRODUCT_COST, ROW_COST)
+
+
+@memoized("core.quartic.ranges", maxsize=16)
+def _cheapest_ranges(
+    n_heads: int, families: int, product_cost: int, row_cost: int
+) -> tuple[_Range, ...]:
+    """The ranges of second indices, and their orientations, that minimise the cost model.
+
+    A range ``[b0, b1)`` has ``b1 (b1 + 1) / 2 - b0 (b0 + 1) / 2`` row pairs (plus the ``k``
+    row in the first, which is never transposed) and ``P - suffix_start(b0)`` column pairs;
+    its product outputs ``families`` rows per row pair, or per column pair when transposed.
+    Dynamic programming over the cut points, ``O(H^2)``.
+    """
+    n_pairs = n_heads * (n_heads + 1) // 2
+
+    def cost(b0: int, b1: int) -> tuple[int, bool]:
+        rows = b1 * (b1 + 1) // 2 - b0 * (b0 + 1) // 2 + (b0 == 0)
+        columns = n_pairs - _suffix_start(n_heads, b0)
+        options = [(rows, False)] if b0 == 0 else [(rows, False), (columns, True)]
+        return min(
+            (product_cost + families * (rows * columns + row_cost * outputs), transposed)
+            for outputs, transposed in options
+        )
+
+    best, cut = [0] + [0] * n_heads, [0] * (n_heads + 1)
+    for b1 in range(1, n_heads + 1):
+        best[b1], cut[b1] = min((best[b0] + cost(b0, b1)[0], b0) for b0 in range(b1))
+    ranges, b1 = [], n_heads
+    while b1 > 0:
+        b0 = cut[b1]
+        ranges.append(_Range(b0, b1, cost(b0, b1)[1]))
+        b1 = b0
+    return tuple(reversed(ranges))
+
+
+@memoized("core.quartic.layout", maxsize=8)
+def _layout(n_heads: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """Index tensors of the monomial coefficients, made once per head count and device.
+
+    ``(rows, source, target)``: ``rows`` lists the pairs by second index (``(0, 0), (0, 1),
+    (1, 1), (0, 2), ...``) as positions in `head_pairs` order; entry ``source`` of the
+    flattened ``F`` (``p P + q``) adds to entry ``target`` of the flattened coefficients
+    (row pair ``p``, column pair ``q`` of the monomial's sorted indices ``(m0, m1) (m2, m3)``).
+    """
+    first, second = head_pairs(n_heads)
+    n_pairs = first.numel()
+    position = torch.zeros(n_heads, n_heads, dtype=torch.long)
+    position[first, second] = torch.arange(n_pairs)
+    rows = position[
+        torch.cat([torch.arange(b + 1) for b in range(n_heads)]),
+        torch.cat([torch.full((b + 1,), b) for b in range(n_heads)]),
+    ]
+    p, q = (t.reshape(-1) for t in torch.meshgrid(torch.arange(n_pairs), torch.arange(n_pairs),
+                                                  indexing="ij"))  # fmt: skip
+    heads = torch.stack([first[p], second[p], first[q], second[q]], dim=-1).sort(-1).values
+    target = position[heads[:, 0], heads[:, 1]] * n_pairs + position[heads[:, 2], heads[:, 3]]
+    return rows.to(device), (p * n_pairs + q).to(device), target.to(device)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuarticRows:
+    """Several families' ``K2`` and folded ``K4`` as the coefficient blocks of `forms`.
+
+    ``blocks[k]`` holds, for the ``k``-th range of ``ranges``, the monomial coefficients of
+    its row pairs against the column pairs from ``(b0, b0)`` on, rows ``(pair family)``-major,
+    or their transpose (one row per column pair) where the range is ``transposed``; the first
+    block starts with one row per family of ``k`` (``k_{ac} = K2[a,c] + K2[c,a]``, ``K2[a,a]``
+    on the diagonal), so the same product gives ``s2 = k . u``.
+
+    ``gathered`` lists the pair products `forms` gathers in one pass: first the
+    ``n_multipliers`` pairs whose products multiply the output rows after ``s2`` (a normal
+    range's row pairs, a transposed range's column pairs), then each transposed range's row
+    pairs, the factor of its product (at ``inputs[k]``; ``None`` for a normal range, whose
+    factor is the column suffix of ``u`` itself).
+    """
+
+    blocks: tuple[Tensor, ...]
+    ranges: tuple[_Range, ...]
+    gathered: Tensor
+    inputs: tuple[slice | None, ...]
+    n_multipliers: int
+    families: int
+    n_heads: int
+
+    @property
+    def outputs(self) -> int:
+        """Products per family and edge in `forms`' buffer: ``s2``, then one per output row."""
+        return 1 + self.n_multipliers
+
+
+def quartic_rows(K2: Tensor, pair_gram: Tensor) -> QuarticRows:
+    """`QuarticRows` of ``K2`` ``[family, H, H]`` and ``pair_gram = fold_pairs(K4)``
+    ``[family, P, P]`` (any square ``F``: only ``(F + F^T) / 2`` counts in ``u^T F u``)."""
+    families, n_heads, n_pairs = K2.shape[0], K2.shape[-1], pair_gram.shape[-1]
+    rows, source, target = _layout(n_heads, K2.device)
+    coefficients = pair_gram.new_zeros(families, n_pairs * n_pairs)
+    coefficients.index_add_(1, target, pair_gram.reshape(families, -1)[:, source])
+    coefficients = coefficients.view(families, n_pairs, n_pairs)
+    first, second = head_pairs(n_heads, K2.device)
+    k = torch.where(
+        first == second, K2[:, first, second], K2[:, first, second] + K2[:, second, first]
+    )
+    ranges = _ranges(n_heads, families)
+    blocks, multipliers = [], []
+    factors: list[Tensor | None] = []  # a transposed range's row pairs: its product's factor
+    for part in ranges:
+        suffix = _suffix_start(n_heads, part.b0)
+        row_pairs = rows[part.row_pairs()]
+        block = coefficients[:, row_pairs, suffix:]
+        if part.transposed:
+            blocks.append(rearrange(block, "family p q -> (q family) p").contiguous())
+            multipliers.append(torch.arange(suffix, n_pairs, device=K2.device))
+            factors.append(row_pairs)
+            continue
+        if part.b0 == 0:
+            block = torch.cat([k[:, None], block], dim=1)
+        blocks.append(rearrange(block, "family p q -> (p family) q").contiguous())
+        multipliers.append(row_pairs)
+        factors.append(None)
+    n_multipliers = sum(m.numel() for m in multipliers)
+    inputs, at = [], n_multipliers
+    for factor in factors:
+        inputs.append(None if factor is None else slice(at, at + factor.numel()))
+        at += 0 if factor is None else factor.numel()
+    gathered = torch.cat(multipliers + [f for f in factors if f is not None])
+    return QuarticRows(
+        tuple(blocks), ranges, gathered, tuple(inputs), n_multipliers, families, n_heads
+    )
+
+
+def forms(g: Tensor, rows: QuarticRows, step: int) -> tuple[Tensor, Tensor]:
+    """``s4 = u^T F u`` and ``s2 = g^T K2 g`` of each family on every edge: two
+    ``[family, edge]``, from the gates ``g`` ``[head, edge]``, ``step`` edges at a time.
+
+    Per block of edges: the pair products ``u`` (`head_pairs` order), one gather of the
+    products `QuarticRows.gathered` lists, one matrix product per range (times the column
+    pairs' products, or the row pairs' where transposed) into one ``[outputs, family, edge]``
+    buffer (slot 0: ``s2``), then one multiply-and-sum by the multipliers' products.
+    """
+    n_heads, n_edges = g.shape
+    families, n_gathered = rows.families, rows.gathered.numel()
+    n_pairs = n_heads * (n_heads + 1) // 2
+    s4, s2 = g.new_empty(families, n_edges), g.new_empty(families, n_edges)
+    width = min(step, n_edges)
+    # flat buffers for every block, viewed contiguously at each block's size
+    columns, picked = g.new_empty(n_pairs * width), g.new_empty(n_gathered * width)
+    products = g.new_empty(rows.outputs * families * width)
+    for start in range(0, n_edges, step):
+        block = g[:, start : start + step]
+        size = block.shape[1]
+        u = columns[: n_pairs * size].view(n_pairs, size)
+        at = 0
+        for a in range(n_heads):  # u_{ac} = g^a g^c for c >= a, in `head_pairs` order
+            torch.mul(block[a : a + 1], block[a:], out=u[at : at + n_heads - a])
+            at += n_heads - a
+        gathered = picked[: n_gathered * size].view(n_gathered, size)
+        torch.index_select(u, 0, rows.gathered, out=gathered)
+        mixed = products[: rows.outputs * families * size].view(rows.outputs, families, size)
+        at = 0
+        for part, coefficients, inputs in zip(rows.ranges, rows.blocks, rows.inputs, strict=True):
+            factor = u[_suffix_start(n_heads, part.b0) :] if inputs is None else gathered[inputs]
+            height = coefficients.shape[0] // families
+            torch.mm(coefficients, factor, out=mixed[at : at + height].view(-1, size))
+            at += height
+        s2[:, start : start + size] = mixed[0]
+        s4[:, start : start + size] = mixed[1:].mul_(gathered[: rows.n_multipliers, None]).sum(0)
+    return s4, s2
