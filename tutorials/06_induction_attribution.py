@@ -25,7 +25,7 @@
 # TransformerLens activation patching at `hook_z`. It ends with the faithfulness numbers of
 # these examples for every method, and the limits of what the attributions say.
 #
-# Runs on one CPU core in about five minutes with the defaults (most of it in `by_component`).
+# Runs on one CPU core in about three minutes with the defaults.
 
 # %% tags=["parameters"]
 MODEL = "smollm2-135m"
@@ -44,6 +44,7 @@ import torch
 import tl_connwalk
 from tl_connwalk import zoo
 from tl_connwalk.attribution import api, baselines
+from tl_connwalk.cache import connection_walk, required_hooks
 
 model = zoo.load(MODEL, device=DEVICE, progress=False)
 generator = torch.Generator().manual_seed(SEED)
@@ -123,6 +124,16 @@ print(candidates.round(3).to_string())
 print(f"all heads together: {heads.sum():.3f}; the score of r7: {scores['r7'].mean():.3f}")
 
 # %% [markdown]
+# The same attribution, to look at: the source tokens coloured by score (the target position
+# marked), the layer-by-head grid of each component's direct path, and each layer's strongest
+# edges as arcs. Click a token (`r7`) to see which heads carry it; the grid shows the
+# candidates above lighting up. `result.to_html(path)` writes the same page to a file that
+# any browser opens offline.
+
+# %%
+result.show(str_tokens=labels)
+
+# %% [markdown]
 # ## Which edges? `edges(layer)`
 #
 # `edges(layer)` gives the share of the target each edge `j -> i` of a layer carries. An
@@ -139,6 +150,28 @@ for name in candidates.index[:3]:
         f"{name}: edge last -> r7 carries {at_last[:, first].mean():+.3f} "
         f"({share:.0%} of that query's absolute edge total)"
     )
+
+# %% [markdown]
+# The top head need not be the induction head itself: a late head can move what an earlier
+# induction head already wrote to the last position. The induction layer is the one whose
+# edges from the last query to `r7` carry the most of the target. Here it is as a connection
+# walk, each edge numbered by its share of the target (`edges(layer)`, summed over heads and
+# per head): the walk `W` as a heatmap, the gates and per-head patterns of the edge under the
+# pointer, and a query's incoming edges as arcs. Click the last query to see its edge to `r7`.
+
+# %%
+to_answer = torch.stack(
+    [result.edges(layer)[:, :, -1, first].sum(-1).mean() for layer in range(model.cfg.n_layers)]
+).detach()
+induction_layer = int(to_answer.argmax())
+print(f"layer {induction_layer}: its edges last -> r7 carry {to_answer[induction_layer]:+.3f}")
+with torch.no_grad():
+    _, layer_cache = model.run_with_cache(
+        tokens, names_filter=required_hooks(model, [induction_layer])
+    )
+walk = connection_walk(layer_cache, induction_layer, model)
+shares = result.edges(induction_layer).detach()  # [batch, head, query, key]
+walk.show(str_tokens=labels, edge_contributions=shares.sum(1), head_contributions=shares)
 
 # %% [markdown]
 # ## Checked against `hook_z` patching

@@ -12,6 +12,7 @@ from torch.nn.functional import cosine_similarity
 import tl_connwalk
 from tests import tolerances
 from tests.architectures import (
+    HAS_BRIDGE,
     HookedTransformer,
     HookedTransformerConfig,
     bridge_only,
@@ -289,7 +290,9 @@ def test_a_repeated_sequence_is_measured_once(method, monkeypatch):
     seen = []
     measure = api.LAYERWISE[method]
     monkeypatch.setitem(
-        api.LAYERWISE, method, lambda m, t: seen.append(t.shape[0]) or measure(m, t)
+        api.LAYERWISE,
+        method,
+        lambda m, t, **kwargs: seen.append(t.shape[0]) or measure(m, t, **kwargs),
     )
     together = tl_connwalk.attribute(model, batch, position=position, method=method)
     assert seen == [2]
@@ -300,3 +303,71 @@ def test_a_repeated_sequence_is_measured_once(method, monkeypatch):
         torch.testing.assert_close(
             together.scores[b], alone.scores[0], rtol=0, atol=tolerances.atol(torch.float64)
         )
+
+
+LAYERWISE_MODELS = {
+    "gpt2_ln": lambda: (build("gpt2_ln", dtype=torch.float64), tokens()),
+    "encoder": lambda: (hooked_encoder().to(torch.float64), tokens()),
+    "bridge_llama": lambda: (cached_bridge("llama", False), bridge_tokens()),
+}
+
+
+def _model(name):
+    if name == "bridge_llama" and not HAS_BRIDGE:
+        pytest.skip("TransformerLens 2.x has no TransformerBridge")
+    if name != "bridge_llama" and HookedTransformer is None:
+        pytest.skip("TransformerLens 4.x has no HookedTransformer")
+    return LAYERWISE_MODELS[name]()
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("name", list(LAYERWISE_MODELS))
+def test_first_layers_are_the_slice_of_all(name, method):
+    """``layers=k`` computes the first ``k`` matrices, equal to those of every layer (the same
+    arithmetic on the same activations); through `attribute`, a target read inside the network
+    rolls out those below it."""
+    from tl_connwalk.attribution import layerwise, mixing
+
+    model, toks = _model(name)
+    every = getattr(layerwise, method)(model, toks)
+    assert every.shape[0] == model.cfg.n_layers == 2
+    first = getattr(layerwise, method)(model, toks, layers=1)
+    torch.testing.assert_close(first, every[:1], rtol=0, atol=0)
+    torch.testing.assert_close(
+        getattr(layerwise, method)(model, toks, layers=2), every, rtol=0, atol=0
+    )
+    result = tl_connwalk.attribute(
+        model, toks, target=("blocks.1.hook_resid_pre", 0), position=4, method=method
+    )
+    expected = mixing.rolled_out(every[:1])[:, 4]
+    torch.testing.assert_close(result.scores, expected.to(result.scores), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["gpt2_ln", "bridge_llama"])
+def test_value_zeroing_runs_no_layer_above(name):
+    """With ``layers=1`` neither the clean run nor the zeroed runs enter block 1."""
+    from tl_connwalk.attribution import layerwise
+
+    model, toks = _model(name)
+    calls = [0, 0]
+    handles = [
+        model.blocks[layer].register_forward_pre_hook(
+            lambda module, args, layer=layer: calls.__setitem__(layer, calls[layer] + 1)
+        )
+        for layer in range(2)
+    ]
+    try:
+        layerwise.value_zeroing(model, toks, layers=1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert calls[0] > 0 and calls[1] == 0
+
+
+@pytest.mark.parametrize("layers", [0, 3, True])
+@hooked_only
+def test_layers_checked(layers):
+    from tl_connwalk.attribution import layerwise
+
+    with pytest.raises(tl_connwalk.ConnWalkError, match="layers must be an int in 1..2"):
+        layerwise.attention_norm(build("gpt2_ln"), tokens(), layers=layers)

@@ -1,14 +1,29 @@
 """``Attribution.by_component`` and ``Attribution.edges`` against TransformerLens and autograd."""
 
+import functools
+import sys
+import types
+from typing import Any
+
 import pytest
 import torch
 
 import tl_connwalk
-from tests.architectures import build, cached_bridge, hooked_only, tokens
+from tests.architectures import (
+    BRIDGE_DECODERS,
+    bridge_tokens,
+    build,
+    cached_bridge,
+    hooked_only,
+    tokens,
+)
 from tests.attribution import reference
 from tests.attribution.test_connection import FROZEN_TERMS
 from tests.tolerances import rtol
+from tests.views.pages import Page
 from tl_connwalk import Attribution
+from tl_connwalk.attribution import api, connection, targets
+from tl_connwalk.attribution.frozen import FrozenNetwork
 
 
 def tolerance(result: Attribution) -> float:
@@ -17,21 +32,89 @@ def tolerance(result: Attribution) -> float:
     return rtol(result.scores.dtype, FROZEN_TERMS) * size.item()
 
 
+def components_by_gradients(
+    model: Any, toks: torch.Tensor, target: Any, position: int, mask: Any = None
+) -> torch.Tensor:
+    """``by_component`` by its definition through gradients: each component's read-out at the
+    target position (its output along the frozen gradient ``g`` at the final residual) is one
+    output of ``F``, and its gradient with respect to the embeddings, times the embeddings,
+    splits it by source; one batched backward sweep over every component."""
+    frozen = FrozenNetwork.from_clean_run(model, toks, mask)
+    if mask is not None:
+        position = api._real_position(position, mask)
+    target = targets.resolve(target, position, frozen.logits, frozen.final_resid)
+    _, cap_gain, _ = connection.evaluate(frozen, target, dict(frozen.embeddings), {})
+    model = frozen.model
+    rows = torch.arange(len(target.position))
+    leaves = {
+        name: v.detach().clone().requires_grad_(True) for name, v in frozen.embeddings.items()
+    }
+    seen: dict[str, torch.Tensor] = {}
+    taps = {"blocks.0.hook_resid_pre": lambda x: seen.__setitem__("embed", x)}
+    for layer in range(model.cfg.n_layers):
+        taps[f"blocks.{layer}.attn.hook_z"] = functools.partial(seen.__setitem__, f"z{layer}")
+        if not model.cfg.attn_only:
+            taps[f"blocks.{layer}.hook_mlp_out"] = functools.partial(seen.__setitem__, f"m{layer}")
+    with torch.enable_grad():
+        y, _, resid = connection.evaluate(frozen, target, leaves, taps, cap_gain)
+        (g_full,) = torch.autograd.grad(y.sum(), resid, retain_graph=True)
+        g = g_full[rows, target.position].detach()
+        reads = [(seen["embed"][rows, target.position] * g).sum(-1)[None]]
+        for layer in range(model.cfg.n_layers):
+            block = model.blocks[layer]
+            scale = frozen.frozen.get(f"blocks.{layer}.ln1_post.hook_scale")
+            g_attn = connection._post_norm_transpose(
+                model,
+                getattr(block, "ln1_post", None),
+                None if scale is None else scale[rows, target.position],
+                g,
+            )
+            g_z = torch.einsum("hdm,bm->bhd", block.attn.W_O.detach().to(g), g_attn)
+            reads.append((seen[f"z{layer}"][rows, target.position] * g_z).sum(-1).T)
+            if not model.cfg.attn_only:
+                reads.append((seen[f"m{layer}"][rows, target.position] * g).sum(-1)[None])
+        outputs = torch.cat(reads)  # [component, batch]
+        eye = torch.eye(len(outputs), dtype=outputs.dtype)
+        grads = torch.autograd.grad(
+            outputs,
+            list(leaves.values()),
+            grad_outputs=eye[:, :, None].expand(-1, -1, len(rows)),
+            is_grads_batched=True,
+            allow_unused=True,
+        )
+    parts = sum(
+        (grad * v).sum(-1)
+        for grad, v in zip(grads, leaves.values(), strict=True)
+        if grad is not None
+    )
+    return torch.as_tensor(parts).transpose(0, 1).detach()
+
+
+def component_tolerance(result: Attribution, expected: torch.Tensor) -> float:
+    """`tolerance`, with the components' own sizes: an entry is the difference of two reads of
+    a component, each as large as the component's output over all sources."""
+    return (
+        tolerance(result)
+        + rtol(result.scores.dtype, FROZEN_TERMS) * expected.abs().sum(-1).max().item()
+    )
+
+
 @pytest.mark.parametrize(
     "arch_", ["gpt2_ln", "gpt2_processed", "llama_gqa_rotary", "parallel_rotary", "shortformer"]
 )
 @hooked_only
-def test_by_component_is_direct_logit_attribution_summed_over_sources(arch_):
-    """Summed over sources, a component's entry is its direct logit attribution in the frozen
-    network (TransformerLens's ``stack_head_results`` and ``apply_ln_to_stack``), minus what it
-    gives with no embeddings."""
+def test_by_component_is_direct_logit_attribution_by_source(arch_):
+    """A component's entry for source ``s`` is its direct logit attribution in the frozen
+    network fed only ``s``'s embeddings (TransformerLens's ``stack_head_results`` and
+    ``apply_ln_to_stack``), minus what it gives with no embeddings; summed over sources, that
+    with all of them."""
     model = build(arch_, dtype=torch.float64)
     model.set_use_attn_result(True)
     toks = tokens()
     result = tl_connwalk.attribute(model, toks, target=(4, 9), position=6)
     clean = reference.clean_cache(model, toks)
     stacks = []
-    for keep in ("all", None):
+    for keep in [*range(toks.shape[1]), "all", None]:
         with model.hooks(fwd_hooks=reference.frozen_hooks(model, clean, keep)):
             _, cache = model.run_with_cache(toks)
         heads = cache.stack_head_results(layer=-1, pos_slice=6).unflatten(0, (-1, 4))
@@ -44,22 +127,39 @@ def test_by_component_is_direct_logit_attribution_summed_over_sources(arch_):
     )
     if hasattr(model.ln_final, "w"):
         direction = direction * model.ln_final.w
-    expected = ((stacks[0] - stacks[1]) @ direction).T
+    reads = torch.stack(stacks) @ direction  # [input, component, batch]
+    expected = (reads[:-2] - reads[-1]).permute(2, 1, 0)
     parts = result.by_component()
     assert parts.shape == (2, 1 + 2 * 5, 9)
     assert result.component_names()[:3] == ["embed", "L0H0", "L0H1"]
     assert result.component_names()[5] == "L0MLP"
-    torch.testing.assert_close(parts.sum(-1), expected, rtol=0, atol=tolerance(result))
+    atol = component_tolerance(result, expected)
+    torch.testing.assert_close(parts, expected, rtol=0, atol=atol)
+    torch.testing.assert_close(parts.sum(-1), (reads[-2] - reads[-1]).T, rtol=0, atol=atol)
     torch.testing.assert_close(parts.sum(1), result.scores, rtol=0, atol=tolerance(result))
+    gradients = components_by_gradients(model, toks, (4, 9), 6)
+    torch.testing.assert_close(parts, gradients, rtol=0, atol=atol)
 
 
+@pytest.mark.parametrize("arch_", ["gpt2_ln", "llama_gqa_rotary", "parallel_rotary"])
+@pytest.mark.parametrize("left", [False, True], ids=["right", "left"])
 @hooked_only
-def test_by_component_sums_to_scores_with_post_norms():
-    model = build("ln_post_gemma_like", dtype=torch.float64)
-    result = tl_connwalk.attribute(model, tokens())
+def test_by_component_padded_equals_gradients(arch_, left, monkeypatch):
+    """In a padded batch, padding sends nothing and the rest is the definition's; here the
+    sources run one per pass (the smallest chunks)."""
+    monkeypatch.setattr(connection, "COMPONENT_CHUNK_ENTRIES", 1)
+    model = build(arch_, dtype=torch.float64)
+    toks = tokens()
+    mask = torch.ones_like(toks)
+    if left:
+        mask[1, :3] = 0
+    else:
+        mask[1, 6:] = 0
+    result = tl_connwalk.attribute(model, toks, attention_mask=mask, target=5, position=-2)
     parts = result.by_component()
-    torch.testing.assert_close(parts.sum(1), result.scores, rtol=0, atol=tolerance(result))
-    assert parts[:, 1:5].abs().sum() > 0
+    expected = components_by_gradients(model, toks, 5, -2, mask)
+    torch.testing.assert_close(parts, expected, rtol=0, atol=component_tolerance(result, expected))
+    assert (parts[1][:, mask[1] == 0] == 0).all()
 
 
 def edges_by_autograd(model, toks, layer, token, position):
@@ -125,9 +225,17 @@ def test_bridge_edges_and_components():
     result = tl_connwalk.attribute(model, toks, target=5, position=7)
     expected = edges_by_autograd(model, toks, 1, 5, 7)
     torch.testing.assert_close(result.edges(1), expected, rtol=0, atol=tolerance(result))
-    torch.testing.assert_close(
-        result.by_component().sum(1), result.scores, rtol=0, atol=tolerance(result)
-    )
+
+
+@pytest.mark.parametrize("arch, compat", BRIDGE_DECODERS, ids=str)
+def test_bridge_components_equal_gradients(arch, compat):
+    model = cached_bridge(arch, compat)
+    toks = bridge_tokens()
+    result = tl_connwalk.attribute(model, toks, target=5, position=-2)
+    parts = result.by_component()
+    expected = components_by_gradients(model, toks, 5, -2)
+    torch.testing.assert_close(parts, expected, rtol=0, atol=component_tolerance(result, expected))
+    torch.testing.assert_close(parts.sum(1), result.scores, rtol=0, atol=tolerance(result))
 
 
 def test_edges_layer_checked(gpt2):
@@ -151,3 +259,24 @@ def test_to_dataframe_and_repr(gpt2):
     )
     assert frame["target"][0] == "logit[3] @ 8"
     assert "method='connection'" in repr(result)
+
+
+def test_show_displays_the_page_to_html_writes(gpt2, tmp_path, monkeypatch):
+    """``show`` and ``to_html`` draw one view: the same numbers, routes and labels."""
+    shown = []
+    display = types.ModuleType("IPython.display")
+    display.HTML = lambda text: text  # type: ignore[attr-defined]
+    display.display = shown.append  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "IPython", types.ModuleType("IPython"))
+    monkeypatch.setitem(sys.modules, "IPython.display", display)
+    result = tl_connwalk.attribute(gpt2, tokens(), target=3)
+    labels = [[f"t{i}" for i in range(9)]] * 2
+    cases = [(None, [0, 0]), (2, [2, 2]), (result.routes(3, batch=1), [0, 3])]
+    for routes, counts in cases:
+        written = result.to_html(tmp_path / "a.html", str_tokens=labels, routes=routes, top_edges=2)
+        result.show(str_tokens=labels, routes=routes, top_edges=2)
+        expected = Page(written.read_text(encoding="utf-8")).data()
+        assert Page(shown.pop()).data() == expected
+        assert expected["sequences"][0]["tokens"] == labels[0]
+        listed = [len(seq["routes"] or []) for seq in expected["sequences"]]
+        assert listed == counts

@@ -122,7 +122,7 @@ def _mixing(frozen: FrozenNetwork, method: str, position: Tensor) -> Tensor:
         mixed = baselines.rollout(torch.stack([frozen.frozen[name] for name in names]))
     else:
         distinct, inverse = torch.unique(frozen.tokens, dim=0, return_inverse=True)
-        layers = LAYERWISE[method](frozen.model, distinct)[: len(names)]
+        layers = LAYERWISE[method](frozen.model, distinct, layers=len(names))
         mixed = mixing.rolled_out(layers)[inverse]
     rows = torch.arange(len(position), device=mixed.device)
     return mixed[rows, position.to(mixed.device)]

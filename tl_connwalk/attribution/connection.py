@@ -22,6 +22,7 @@ from tl_connwalk.attribution import targets
 from tl_connwalk.attribution.frozen import (
     FrozenNetwork,
     config,
+    final_resid_hook,
     pattern_hooks,
 )
 from tl_connwalk.errors import ConnWalkError
@@ -131,7 +132,7 @@ def connection(
         scores.detach(),
         bias,
         edges,
-        lambda: components(frozen, target, cap_gain),
+        functools.cache(lambda: components(frozen, target, cap_gain)),
     )
 
 
@@ -155,77 +156,128 @@ def _post_norm_transpose(
     return out if rms else out - out.mean(-1, keepdim=True)
 
 
-def components(
-    frozen: FrozenNetwork, target: targets.Target, cap_gain: Tensor
-) -> tuple[list[str], Float[Tensor, "batch component source"]]:
-    """Each component's direct path into the target, split by source (spec §6).
+#: entries of repeated frozen values (patterns, scales, gains, embeddings) one pass of
+#: `components` holds: the sources of a sequence run in chunks of at most this size
+COMPONENT_CHUNK_ENTRIES = 2**25
 
-    Component outputs at the target position are read along ``g``, the frozen gradient of the
-    target at the final residual; every component's read-out is then one output of ``F``,
-    and the backward sweeps for all of them run at once (batched gradients).
-    """
-    model = frozen.model
-    n_layers = _n_layers(model)
-    cfg = config(model)
+
+def _check_components(model: nn.Module, target: targets.Target) -> None:
+    """A ConnWalkError where a target has no direct paths of components to split."""
     if target.kind == "hook":
         raise ConnWalkError(
             f"by_component reads every component's output along the target's gradient at the "
             f"final residual; {target.hook!r} is inside the network. Use scores and "
             "edges(layer)."
         )
-    if hasattr(model, "mlm_head") or cfg.original_architecture in POST_NORM_ARCHITECTURES:
+    if hasattr(model, "mlm_head") or config(model).original_architecture in POST_NORM_ARCHITECTURES:
         raise ConnWalkError(
             "by_component needs a residual stream its components add into; in a post-norm "
             "model (BERT, OLMo 2) every layer's norm rescales the whole stream, so no "
             "component has a direct path of its own. Use scores and edges(layer)."
         )
+
+
+def _component_covectors(
+    frozen: FrozenNetwork, target: targets.Target, cap_gain: Tensor
+) -> tuple[list[str], Float[Tensor, "batch d_model"], list[Float[Tensor, "batch head d_head"]]]:
+    """The components' names, ``g`` (the frozen gradient of the target at the final residual,
+    at the target position) and per layer ``W_O^h L^T g`` ``[batch, head, d_head]``: what
+    each head's ``hook_z`` at the target position is read along (``L`` the frozen linear part
+    of a norm after the attention, if any). The embeddings' direct path (``hook_resid_pre`` of
+    block 0) and the MLPs' outputs (``hook_mlp_out``) are read along ``g`` itself."""
+    model = frozen.model
     rows = torch.arange(target.position.shape[0], device=target.position.device)
     leaves = {
         name: value.detach().clone().requires_grad_(True)
         for name, value in frozen.embeddings.items()
     }
-    seen: dict[str, Tensor] = {}
-    taps: dict[str, Callable[[Tensor], None]] = {
-        "blocks.0.hook_resid_pre": lambda x: seen.__setitem__("embed", x)
-    }
-    for layer in range(n_layers):
-        taps[f"blocks.{layer}.attn.hook_z"] = functools.partial(seen.__setitem__, f"z{layer}")
-        if not cfg.attn_only:
-            taps[f"blocks.{layer}.hook_mlp_out"] = functools.partial(
-                seen.__setitem__, f"mlp{layer}"
-            )
     with torch.enable_grad():
-        y, _, resid = evaluate(frozen, target, leaves, taps, cap_gain)
-        (g_full,) = torch.autograd.grad(y.sum(), resid, retain_graph=True)
-        g = g_full[rows, target.position].detach()
-        names, reads = ["embed"], [(seen["embed"][rows, target.position] * g).sum(-1)]
-        for layer in range(n_layers):
-            block: Any = model.blocks[layer]  # type: ignore[index]
-            scale = frozen.frozen.get(f"blocks.{layer}.ln1_post.hook_scale")
-            post = getattr(block, "ln1_post", None)
-            g_attn = _post_norm_transpose(
-                model, post, None if scale is None else scale[rows, target.position], g
-            )
-            W_O = block.attn.W_O.detach().to(g)
-            g_z = torch.einsum("hdm,bm->bhd", W_O, g_attn)
-            z = seen[f"z{layer}"][rows, target.position]
-            reads.append((z * g_z).sum(-1).T)
-            names += [f"L{layer}H{h}" for h in range(W_O.shape[0])]
-            if not cfg.attn_only:
-                reads.append((seen[f"mlp{layer}"][rows, target.position] * g).sum(-1)[None])
-                names.append(f"L{layer}MLP")
-        outputs = torch.cat([r.reshape(-1, len(rows)) for r in reads])  # [component, batch]
-        eye = torch.eye(outputs.shape[0], dtype=outputs.dtype, device=outputs.device)
-        grads = torch.autograd.grad(
-            outputs,
-            list(leaves.values()),
-            grad_outputs=eye[:, :, None].expand(-1, -1, len(rows)),
-            is_grads_batched=True,
-            allow_unused=True,
+        y, _, resid = evaluate(frozen, target, leaves, {}, cap_gain)
+        (g_full,) = torch.autograd.grad(y.sum(), resid)
+    g = g_full[rows, target.position].detach()
+    names, heads = ["embed"], []
+    for layer in range(_n_layers(model)):
+        block: Any = model.blocks[layer]  # type: ignore[index]
+        scale = frozen.frozen.get(f"blocks.{layer}.ln1_post.hook_scale")
+        post = getattr(block, "ln1_post", None)
+        g_attn = _post_norm_transpose(
+            model, post, None if scale is None else scale[rows, target.position], g
         )
-    parts = sum(
-        (grad * value).sum(-1)
-        for grad, value in zip(grads, leaves.values(), strict=True)
-        if grad is not None
-    )
-    return names, torch.as_tensor(parts).transpose(0, 1).detach()
+        W_O = block.attn.W_O.detach().to(g)
+        heads.append(torch.einsum("hdm,bm->bhd", W_O, g_attn))
+        names += [f"L{layer}H{h}" for h in range(W_O.shape[0])]
+        if not config(model).attn_only:
+            names.append(f"L{layer}MLP")
+    return names, g, heads
+
+
+def _component_reads(
+    frozen: FrozenNetwork,
+    position: Tensor,
+    g: Float[Tensor, "batch d_model"],
+    heads: list[Tensor],
+    inputs: Tensor,
+) -> Float[Tensor, "input batch component"]:
+    """Every component's output at the target position, read along its covector, in ``F``
+    fed the embeddings of source ``s`` alone for each ``s`` in ``inputs`` (``pos``: none)."""
+    model = frozen.model
+    n_batch, n_pos = frozen.tokens.shape
+    copies = len(inputs)
+    alone = torch.arange(n_pos, device=inputs.device)[None] == inputs[:, None]  # [input, pos]
+    embeddings = {
+        name: (value[None] * alone[:, None, :, None].to(value)).flatten(0, 1)
+        for name, value in frozen.embeddings.items()
+    }
+    rows = torch.arange(copies * n_batch, device=position.device)
+    at = position.repeat(copies)
+    seen: dict[str, Tensor] = {}
+
+    def read(key: str) -> Callable[[Tensor], None]:
+        return lambda x: seen.__setitem__(key, x[rows, at])
+
+    taps = {"blocks.0.hook_resid_pre": read("embed")}
+    for layer in range(_n_layers(model)):
+        taps[f"blocks.{layer}.attn.hook_z"] = read(f"z{layer}")
+        if not config(model).attn_only:
+            taps[f"blocks.{layer}.hook_mlp_out"] = read(f"mlp{layer}")
+    # the components' outputs are all in once the last block's residual is: stop there
+    network = dataclasses.replace(frozen.repeated(copies), stop_at=final_resid_hook(model))
+    with torch.no_grad():
+        network.run(embeddings, taps)
+    g = g.repeat(copies, 1)
+    reads = [(seen["embed"] * g).sum(-1)[:, None]]
+    for layer, g_z in enumerate(heads):
+        reads.append((seen[f"z{layer}"] * g_z.repeat(copies, 1, 1)).sum(-1))
+        if f"mlp{layer}" in seen:
+            reads.append((seen[f"mlp{layer}"] * g).sum(-1)[:, None])
+    return torch.cat(reads, -1).unflatten(0, (copies, n_batch))
+
+
+def components(
+    frozen: FrozenNetwork, target: targets.Target, cap_gain: Tensor
+) -> tuple[list[str], Float[Tensor, "batch component source"]]:
+    """Each component's direct path into the target, split by source (spec §6).
+
+    ``F`` is affine, so the part of component ``k``'s output ``o_k`` at the target position that
+    source ``s`` sent is ``o_k(only e_s) - o_k(no embeddings)``; read along ``g``, the frozen
+    gradient of the target at the final residual, it is entry ``[b, k, s]``. Every component
+    is read in the same passes: ``F`` runs once per source with that source's embeddings
+    alone, and once with none, the inputs stacked on the batch.
+
+    Cost: ``(pos + 1) * batch`` forward passes of ``F`` up to the last block's residual (no
+    unembedding), in chunks whose repeated frozen values (patterns, scales, MLP gains) hold at
+    most `COMPONENT_CHUNK_ENTRIES` entries (one input at least), plus one forward and backward
+    pass for ``g``; independent of the number of components.
+    """
+    _check_components(frozen.model, target)
+    names, g, heads = _component_covectors(frozen, target, cap_gain)
+    n_pos = frozen.tokens.shape[1]
+    values = [*frozen.frozen.values(), *frozen.head_gains.values(), *frozen.embeddings.values()]
+    values += [value for _, value in frozen.gains.values()]
+    per_input = sum(value.numel() for value in values)
+    chunk = max(1, COMPONENT_CHUNK_ENTRIES // per_input)
+    inputs = torch.arange(n_pos + 1, device=g.device)  # source s alone; n_pos: no embeddings
+    reads = torch.cat(
+        [_component_reads(frozen, target.position, g, heads, part) for part in inputs.split(chunk)]
+    )  # [input, batch, component]
+    return names, (reads[:-1] - reads[-1]).permute(1, 2, 0)

@@ -61,7 +61,7 @@ def _stop(activation: Tensor, hook: Any) -> None:
     raise _Stop
 
 
-def _run_until(
+def run_until(
     model: nn.Module,
     tokens: Tensor,
     hooks: list[tuple[str, HookFn]],
@@ -189,7 +189,7 @@ class FrozenNetwork:
             for name in [*wanted, final]
         ]
         with torch.no_grad(), _module_hooks(taps):
-            logits = _run_until(model, tokens, saves, stop_at, **mask_kwargs(model, attention_mask))
+            logits = run_until(model, tokens, saves, stop_at, **mask_kwargs(model, attention_mask))
         if final not in cache:
             raise ConnWalkError(
                 f"the hook point {final!r} does not fire in {type(model).__name__}'s forward "
@@ -231,6 +231,27 @@ class FrozenNetwork:
             stop_at=stop_at,
             attention_mask=attention_mask,
             pattern_after_z=late,
+        )
+
+    def repeated(self, copies: int) -> "FrozenNetwork":
+        """This network with each sequence ``copies`` times over, to run ``F`` on several inputs
+        in one pass: copy ``c`` of sequence ``b`` is row ``c * batch + b`` (as `Tensor.repeat`
+        tiles); the clean logits are left out (``None``)."""
+
+        def tile(value: Tensor) -> Tensor:
+            return value.repeat(copies, *[1] * (value.dim() - 1))
+
+        mask = self.attention_mask
+        return dataclasses.replace(
+            self,
+            tokens=tile(self.tokens),
+            frozen={name: tile(value) for name, value in self.frozen.items()},
+            gains={name: (pre, tile(value)) for name, (pre, value) in self.gains.items()},
+            head_gains={path: tile(value) for path, value in self.head_gains.items()},
+            embeddings={name: tile(value) for name, value in self.embeddings.items()},
+            logits=None,
+            final_resid=tile(self.final_resid),
+            attention_mask=None if mask is None else tile(mask),
         )
 
     def hooks(
@@ -308,7 +329,7 @@ class FrozenNetwork:
         with warnings.catch_warnings(), _module_hooks(frozen_heads):
             # a Bridge's native-norm path warns that an edited hook_scale changes its rounding
             warnings.filterwarnings("ignore", message=".*edited hook_scale")
-            return _run_until(
+            return run_until(
                 self.model,
                 self.tokens,
                 hooks,

@@ -7,7 +7,6 @@ chunk in one batched pass through that layer. The formulas are in `tl_connwalk.a
 """
 
 import itertools
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,7 +17,7 @@ from transformer_lens import ActivationCache
 from tl_connwalk import cache as walk_cache
 from tl_connwalk.adapters.versions import is_bridge
 from tl_connwalk.attribution import mixing
-from tl_connwalk.attribution.frozen import config
+from tl_connwalk.attribution.frozen import HookFn, config, run_until
 from tl_connwalk.core.walk import head_messages
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.walk import ConnectionWalk
@@ -31,28 +30,56 @@ def _resid_pre(layer: int) -> str:
     return f"blocks.{layer}.hook_resid_pre"
 
 
-def _clean(model: nn.Module, tokens: Tensor, extra: list[str]) -> ActivationCache:
-    names = set(walk_cache.required_hooks(model)) | set(extra)
-    with torch.no_grad():
-        _, cache = model.run_with_cache(  # type: ignore[operator]
-            tokens, names_filter=lambda name: name in names
+def _first(model: nn.Module, layers: int | None) -> range:
+    """The layers a layer-wise method computes: the first ``layers`` (``None``: all)."""
+    n_layers = int(config(model).n_layers)
+    if layers is None:
+        return range(n_layers)
+    if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= n_layers:
+        raise ConnWalkError(
+            f"layers must be an int in 1..{n_layers} (how many layers, from the first) or "
+            f"None for all, got {layers!r}."
         )
-    return cache
+    return range(layers)
 
 
-def _walks(model: nn.Module, cache: ActivationCache) -> list[ConnectionWalk]:
-    return [
-        walk_cache.connection_walk(cache, layer, model)
-        for layer in range(int(config(model).n_layers))
+def _run(
+    model: nn.Module, tokens: Tensor, hooks: list[tuple[str, HookFn]], names: set[str], last: str
+) -> ActivationCache:
+    """The activations at ``names`` (those the model has) with ``hooks`` on, the forward pass
+    stopped once ``last`` ran (the layers above it are not needed)."""
+    hook_dict: Any = model.hook_dict
+    seen: dict[str, Tensor] = {}
+    saves = [
+        (name, lambda x, hook, name=name: seen.__setitem__(name, x))
+        for name in names | {last}
+        if name in hook_dict
     ]
+    with torch.no_grad():
+        run_until(model, tokens, [*hooks, *saves], last)
+    return ActivationCache(seen, model)
 
 
-def attention_norm(model: nn.Module, tokens: Int[Tensor, "batch pos"]) -> Tensor:
-    """``C_l``: ``||sum_h A^h_ij f^h(x_j) + [i = j] r_i||``, rows normalised, every layer."""
-    layers = range(int(config(model).n_layers))
-    cache = _clean(model, tokens, [_resid_pre(layer) for layer in layers])
+def _clean(model: nn.Module, tokens: Tensor, layers: range, extra: list[str]) -> ActivationCache:
+    """The clean run's activations the walks of ``layers`` and ``extra`` need, up to the output
+    of the last of ``layers``."""
+    names = set(walk_cache.required_hooks(model, layers)) | set(extra)
+    return _run(model, tokens, [], names, _layer_output(model, layers[-1]))
+
+
+def _walks(model: nn.Module, cache: ActivationCache, layers: range) -> list[ConnectionWalk]:
+    return [walk_cache.connection_walk(cache, layer, model) for layer in layers]
+
+
+def attention_norm(
+    model: nn.Module, tokens: Int[Tensor, "batch pos"], *, layers: int | None = None
+) -> Float[Tensor, "layer batch pos pos"]:
+    """``C_l``: ``||sum_h A^h_ij f^h(x_j) + [i = j] r_i||``, rows normalised, for the first
+    ``layers`` layers (``None``: every layer)."""
+    computed = _first(model, layers)
+    cache = _clean(model, tokens, computed, [_resid_pre(layer) for layer in computed])
     matrices = []
-    for layer, walk in zip(layers, _walks(model, cache), strict=True):
+    for layer, walk in zip(computed, _walks(model, cache, computed), strict=True):
         messages = head_messages(walk.field, walk.W_V, walk.b_V, walk.W_O)
         residual = cache[_resid_pre(layer)].to(walk.field)
         matrices.append(mixing.attention_norm_layer(walk.patterns, messages, residual))
@@ -64,43 +91,40 @@ def _is_hooked_encoder(model: nn.Module) -> bool:
 
 
 def _field_at_zero_residual(
-    model: nn.Module, tokens: Tensor, cache: ActivationCache
+    model: nn.Module, tokens: Tensor, cache: ActivationCache, layers: range
 ) -> list[Tensor]:
     """Each layer's field when the residual stream entering it is zero: the bias of the
     normalisation before attention (LayerNorm's ``b``; 0 for RMSNorm, folded norms and
     encoders), which is no token's (ALTI). The normalised part of zero is zero whatever the
     scale, so the scales need no freezing."""
-    n_layers = int(config(model).n_layers)
-    fields = {walk_cache.required_hooks(model, layer)[1] for layer in range(n_layers)}
-    seen: dict[str, Tensor] = {}
-    hooks: list[tuple[str, Callable[..., Any]]] = [
-        (_resid_pre(layer), lambda x, hook: torch.zeros_like(x)) for layer in range(n_layers)
+    fields = [walk_cache.required_hooks(model, layer)[1] for layer in layers]
+    hooks: list[tuple[str, HookFn]] = [
+        (_resid_pre(layer), lambda x, hook: torch.zeros_like(x)) for layer in layers
     ]
-    hooks += [(name, lambda x, hook, name=name: seen.__setitem__(name, x)) for name in fields]
-    with torch.no_grad():
-        model.run_with_hooks(tokens, fwd_hooks=hooks)  # type: ignore[operator]
+    seen = _run(model, tokens, hooks, set(fields), fields[-1])
     at_zero = ActivationCache({**{name: cache[name] for name in cache}, **seen}, model)
-    return [walk.field for walk in _walks(model, at_zero)]
+    return [walk.field for walk in _walks(model, at_zero, layers)]
 
 
-def alti(model: nn.Module, tokens: Int[Tensor, "batch pos"]) -> Tensor:
-    """``C_l``: ALTI's contributions of every attention sublayer, rows normalised.
+def alti(
+    model: nn.Module, tokens: Int[Tensor, "batch pos"], *, layers: int | None = None
+) -> Float[Tensor, "layer batch pos pos"]:
+    """``C_l``: ALTI's contributions of each attention sublayer, rows normalised, for the
+    first ``layers`` layers (``None``: every layer).
 
     The sublayer's output ``y_i`` must be ``r_i + attention_i`` (pre-norm decoders), or that
     through a LayerNorm (``HookedEncoder``); other arrangements raise a ConnWalkError.
     """
-    n_layers = int(config(model).n_layers)
+    computed = _first(model, layers)
     encoder = _is_hooked_encoder(model)
-    extra = [_resid_pre(layer) for layer in range(n_layers)]
-    extra += [
-        f"blocks.{layer}.hook_resid_{at}" for layer in range(n_layers) for at in ("mid", "post")
-    ]
+    extra = [_resid_pre(layer) for layer in computed]
+    extra += [f"blocks.{layer}.hook_resid_{at}" for layer in computed for at in ("mid", "post")]
     if encoder:
-        extra += [f"blocks.{layer}.ln1.hook_scale" for layer in range(n_layers)]
-    cache = _clean(model, tokens, extra)
-    bias = _field_at_zero_residual(model, tokens, cache)
+        extra += [f"blocks.{layer}.ln1.hook_scale" for layer in computed]
+    cache = _clean(model, tokens, computed, extra)
+    bias = _field_at_zero_residual(model, tokens, cache, computed)
     matrices = []
-    for layer, walk in enumerate(_walks(model, cache)):
+    for layer, walk in zip(computed, _walks(model, cache, computed), strict=True):
         residual = cache[_resid_pre(layer)].to(walk.field)
         _check_sublayer(model, cache, walk, residual, layer)
         field = walk.field - bias[layer].to(walk.field)
@@ -142,12 +166,11 @@ def _layer_output(model: nn.Module, layer: int) -> str:
     return name if name in hook_dict and not is_bridge(model) else f"blocks.{layer}.hook_resid_post"
 
 
-class _Stop(Exception):
-    """Raised by a hook once the layer of interest has run: later layers are not needed."""
-
-
-def value_zeroing(model: nn.Module, tokens: Int[Tensor, "batch pos"]) -> Tensor:
-    """``C_l[b, i, j] = 1 - cos(y_i^{-j}, y_i)``, rows normalised, every layer.
+def value_zeroing(
+    model: nn.Module, tokens: Int[Tensor, "batch pos"], *, layers: int | None = None
+) -> Float[Tensor, "layer batch pos pos"]:
+    """``C_l[b, i, j] = 1 - cos(y_i^{-j}, y_i)``, rows normalised, for the first ``layers``
+    layers (``None``: every layer); the layers above them never run.
 
     ``y_i`` is layer ``l``'s output at query ``i`` (its residual stream after the block) and
     ``y_i^{-j}`` the same with token ``j``'s value vector (``attn.hook_v``, every head, value
@@ -156,12 +179,13 @@ def value_zeroing(model: nn.Module, tokens: Int[Tensor, "batch pos"]) -> Tensor:
     source), stopping there.
     """
     batch, n_pos = tokens.shape
-    n_layers = int(config(model).n_layers)
-    outputs = [_layer_output(model, layer) for layer in range(n_layers)]
-    cache = _clean(model, tokens, outputs)
+    computed = _first(model, layers)
+    outputs = [_layer_output(model, layer) for layer in computed]
+    cache = _clean(model, tokens, computed, outputs)
     chunk = max(1, VALUE_ZEROING_ROWS // n_pos)
-    matrices = torch.zeros(n_layers, batch, n_pos, n_pos, dtype=torch.float64, device=tokens.device)
-    for layer, b, start in itertools.product(range(n_layers), range(batch), range(0, n_pos, chunk)):
+    shape = (len(computed), batch, n_pos, n_pos)
+    matrices = torch.zeros(shape, dtype=torch.float64, device=tokens.device)
+    for layer, b, start in itertools.product(computed, range(batch), range(0, n_pos, chunk)):
         sources = torch.arange(start, min(start + chunk, n_pos), device=tokens.device)
         changed = _zeroed_run(model, tokens[b : b + 1], layer, sources, outputs[layer])
         clean = cache[outputs[layer]][b]
@@ -191,20 +215,13 @@ def _zeroed_run(
         v[torch.arange(k, device=v.device), sources] = 0
         return v
 
-    def stop(y: Tensor, hook: Any) -> None:
-        seen["y"] = y
-        raise _Stop
-
-    hooks: list[tuple[str, Callable[..., Any]]] = [
+    hooks: list[tuple[str, HookFn]] = [
         (_resid_pre(layer), copy),
         (f"blocks.{layer}.attn.hook_v", zero),
-        (output, stop),
+        (output, lambda y, hook: seen.__setitem__("y", y)),
     ]
-    try:
-        with torch.no_grad():
-            model.run_with_hooks(tokens, fwd_hooks=hooks)  # type: ignore[operator]
-    except _Stop:
-        pass
+    with torch.no_grad():
+        run_until(model, tokens, hooks, output)
     if "y" not in seen:
         raise ConnWalkError(f"{output} did not run; value zeroing reads each layer's output there.")
     return seen["y"]

@@ -3,7 +3,7 @@
 import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from jaxtyping import Float, Int
@@ -11,6 +11,9 @@ from torch import Tensor
 
 from tl_connwalk.attribution.routes import Route, RouteTable
 from tl_connwalk.errors import ConnWalkError
+
+if TYPE_CHECKING:
+    from tl_connwalk.views.page import View
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -72,21 +75,26 @@ class Attribution:
         top_edges: int = 8,
     ) -> None:
         """Display this attribution in a Jupyter notebook, as `to_html` draws it."""
+        self._view(model, str_tokens, routes, top_edges).show()
+
+    def _view(
+        self,
+        model: Any,
+        str_tokens: Sequence[str] | Sequence[Sequence[str]] | None,
+        routes: Sequence[Route] | int | None,
+        top_edges: int,
+    ) -> "View":
+        """The page `show` displays and `to_html` writes; ``routes`` as given, or for an int
+        ``k`` the ``k`` largest of each sequence."""
         from tl_connwalk.attribution.view import attribution_view
 
-        attribution_view(
-            self,
-            model=model,
-            str_tokens=str_tokens,
-            routes=self._shown_routes(routes),
-            top_edges=top_edges,
-        ).show()
-
-    def _shown_routes(self, routes: Sequence[Route] | int | None) -> Sequence[Route] | None:
-        """The routes a page lists: as given, or the ``routes`` largest of each sequence."""
-        if routes is None or isinstance(routes, Sequence):
-            return routes
-        return [route for b in range(len(self.scores)) for route in self.routes(routes, batch=b)]
+        if isinstance(routes, int):
+            routes = [
+                route for b in range(len(self.scores)) for route in self.routes(routes, batch=b)
+            ]
+        return attribution_view(
+            self, model=model, str_tokens=str_tokens, routes=routes, top_edges=top_edges
+        )
 
     def to_html(
         self,
@@ -112,16 +120,7 @@ class Attribution:
         >>> result.to_html(f"{tempfile.mkdtemp()}/attribution.html", model=model).name
         'attribution.html'
         """
-        from tl_connwalk.attribution.view import attribution_view
-
-        view = attribution_view(
-            self,
-            model=model,
-            str_tokens=str_tokens,
-            routes=self._shown_routes(routes),
-            top_edges=top_edges,
-        )
-        return view.save(path)
+        return self._view(model, str_tokens, routes, top_edges).save(path)
 
     def _only(self, what: str) -> None:
         if self.method != "connection":
@@ -140,6 +139,10 @@ class Attribution:
         gradient of the target at the final residual. Summed over components it is
         ``scores``.
 
+        Cost: ``F`` is affine, so ``o_k,s = o_k(only e_s) - o_k(no embeddings)``: ``pos + 1``
+        forward passes of ``F`` per sequence, the inputs stacked on the batch in chunks of
+        bounded memory, however many components there are. Computed once and kept.
+
         >>> result = tl_connwalk.attribute(model, tokens)
         >>> parts = result.by_component()
         >>> torch.testing.assert_close(parts.sum(1), result.scores)
@@ -148,7 +151,7 @@ class Attribution:
 
     def component_names(self) -> list[str]:
         """The names of `by_component`'s components, e.g. ``["embed", "L0H0", ...]``."""
-        return self._component_parts()[0]
+        return list(self._component_parts()[0])
 
     def _component_parts(self) -> tuple[list[str], Tensor]:
         self._only("by_component")
