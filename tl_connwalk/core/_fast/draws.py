@@ -308,8 +308,8 @@ def _output_blocks(raw: head_grams.HeadGrams, R_O: Tensor) -> Tensor:
     n_heads, d_head, _ = R_O.shape
     if raw.out_rows is None:
         return R_O @ R_O.mT
-    diagonal = messages.symmetric_pairs(n_heads, R_O.device).diagonal()
-    return messages.pair_blocks(raw.out_rows, n_heads, d_head)[diagonal]
+    rows = messages.row_blocks(raw.out_rows, n_heads, d_head)
+    return torch.stack([row[:, :d_head] for row in rows])
 
 
 @dataclasses.dataclass(frozen=True)

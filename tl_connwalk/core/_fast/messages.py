@@ -10,7 +10,6 @@ from jaxtyping import Float
 from torch import Tensor
 
 from tl_connwalk.core._fast.chunks import query_chunks
-from tl_connwalk.core._fast.quartic import head_pairs
 from tl_connwalk.core.checks import working_dtype
 from tl_connwalk.errors import ConnWalkError
 
@@ -35,22 +34,21 @@ def cast_operands(field: Tensor, W_V: Tensor, W_O: Tensor, *rest: Tensor) -> tup
 def output_gram_rows(
     out_blocks: Float[Tensor, "head head d_head d_head"],
 ) -> Float[Tensor, " packed"]:
-    """The output Gram ``W_O^cat W_O^cat^T`` by its upper blocks, packed (``out_rows`` of
+    """The output Gram ``W_O^cat W_O^cat^T`` by its upper block rows, packed (``out_rows`` of
     `message_grams`).
 
     ``out_blocks[a, b] = W_O^a W_O^b^T`` (`tl_connwalk.core.isometry.head_factor_grams`' second
-    result). The blocks ``b >= a`` one after another in `head_pairs` order (``(0, 0), (0, 1),
-    ..., (1, 1), ...``), each ``[d_head, d_head]``: ``d_head^2 H (H + 1) / 2`` numbers, about
-    half of the symmetric Gram (GPT-2 small: 1.2 MiB in float32 against 2.25 MiB);
-    `pair_blocks` views them as ``[pair, d_head, d_head]``.
+    result). Row block ``a`` keeps the blocks ``b >= a`` as one ``[d_head, (H - a) d_head]``
+    matrix, the rows one after another: ``d_head^2 H (H + 1) / 2`` numbers, about half of the
+    symmetric Gram (GPT-2 small: 1.2 MiB in float32 against 2.25 MiB).
 
     >>> W_O = torch.randn(3, 2, 8)
     >>> from einops import einsum
     >>> output_gram_rows(einsum(W_O, W_O, "a p d, b q d -> a b p q")).shape  # 4 * 3 * 4 / 2
     torch.Size([24])
     """
-    first, second = head_pairs(out_blocks.shape[0], out_blocks.device)
-    return out_blocks[first, second].flatten()
+    n_heads = out_blocks.shape[0]
+    return torch.cat([rearrange(out_blocks[a, a:], "b p q -> (p b q)") for a in range(n_heads)])
 
 
 def output_gram_rows_numel(n_heads: int, d_head: int) -> int:
@@ -63,27 +61,21 @@ def output_gram_rows_numel(n_heads: int, d_head: int) -> int:
     return d_head * d_head * n_heads * (n_heads + 1) // 2
 
 
-def pair_blocks(
-    out_rows: Float[Tensor, "*lead packed"], n_heads: int, d_head: int
-) -> Float[Tensor, "*lead pair d_head d_head"]:
-    """The blocks ``W_O^a W_O^b^T``, ``a <= b``, packed by `output_gram_rows` (any leading
-    axes, e.g. one per draw), as a view ``[..., pair, d_head, d_head]``."""
+def row_blocks(out_rows: Tensor, n_heads: int, d_head: int) -> list[Tensor]:
+    """Views of the row blocks packed by `output_gram_rows`, each ``[..., d_head, (H - a)
+    d_head]`` (any leading axes of ``out_rows``, e.g. one per draw)."""
     expected = output_gram_rows_numel(n_heads, d_head)
     if out_rows.shape[-1:] != (expected,):
         raise ConnWalkError(
-            f"out_rows {tuple(out_rows.shape)} must be [{expected}]: the upper blocks of "
+            f"out_rows {tuple(out_rows.shape)} must be [{expected}]: the upper block rows of "
             f"W_O^cat W_O^cat^T for {n_heads} heads of {d_head}, packed by output_gram_rows."
         )
-    return out_rows.view(*out_rows.shape[:-1], -1, d_head, d_head)
-
-
-def symmetric_pairs(n_heads: int, device: torch.device) -> Tensor:
-    """``[head, head]`` the position in `head_pairs` order of the pair ``{a, b}``: reads a
-    symmetric ``[..., head, head]`` from its ``[..., pair]`` upper triangle."""
-    first, second = head_pairs(n_heads, device)
-    index = torch.empty(n_heads, n_heads, dtype=torch.long, device=device)
-    index[first, second] = index[second, first] = torch.arange(len(first), device=device)
-    return index
+    sizes = [d_head * (n_heads - a) * d_head for a in range(n_heads)]
+    lead = out_rows.shape[:-1]
+    return [
+        part.view(*lead, d_head, (n_heads - a) * d_head)
+        for a, part in enumerate(out_rows.split(sizes, dim=-1))
+    ]
 
 
 def message_grams(
@@ -211,7 +203,7 @@ def _value_grams(
     device) from each block's values ``values_of(rows)`` (``[..., rows, head d_head]``, with
     ``copies`` the product of the leading axes: draws, sequences), block by block of rows:
     through ``out_rows`` (``[..., packed]``, leading axes that broadcast against the values')
-    where given, else through ``W_O``. Every head pair of a block in one batched product."""
+    where given, else through ``W_O``."""
     (n_heads, d_head), n_rows = heads, rows_like.shape[0]
     if out_rows is None:
         if W_O is None:
@@ -227,17 +219,17 @@ def _value_grams(
             grams[..., block, :, :] = part
         assert grams is not None
         return grams
-    blocks = pair_blocks(out_rows.to(rows_like), n_heads, d_head)
-    first, second = head_pairs(n_heads, rows_like.device)
-    full = symmetric_pairs(n_heads, rows_like.device)
+    gram_rows = row_blocks(out_rows.to(rows_like), n_heads, d_head)
     grams = None
-    # per row and copy: each head pair's form (P d_head numbers) and its values taken per pair
-    for block in query_chunks(n_rows, copies * 3 * len(first) * d_head):
+    # per row and copy: its values, and one head's pair forms (at most H d_head) at a time;
+    # every draw and sequence of a block in the same product (a loop over heads only)
+    for block in query_chunks(n_rows, copies * 4 * 2 * n_heads * d_head):
         v = values_of(block).unflatten(-1, (n_heads, d_head))
-        forms = einsum(v[..., first, :], blocks, "... row pair p, ... pair p q -> ... row pair q")
-        upper = (forms * v[..., second, :]).sum(-1)
         if grams is None:
-            grams = upper.new_empty(*upper.shape[:-2], n_rows, n_heads, n_heads)
-        grams[..., block, :, :] = upper[..., full]  # G_j[b,a] = G_j[a,b]
+            grams = v.new_empty(*v.shape[:-3], n_rows, n_heads, n_heads)
+        for a, rows in enumerate(gram_rows):
+            pair = (v[..., a, :] @ rows).unflatten(-1, (n_heads - a, d_head))
+            grams[..., block, a, a:] = (pair * v[..., a:, :]).sum(-1)
     assert grams is not None
-    return grams
+    upper = torch.ones(n_heads, n_heads, dtype=torch.bool, device=grams.device).triu()
+    return torch.where(upper, grams, grams.mT)  # G_j[b,a] = G_j[a,b]
