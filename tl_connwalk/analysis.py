@@ -159,54 +159,65 @@ def geometry_table(
             res = walk.laplacian_residual(
                 exclude_sink=exclude_sink, edges=edges, baseline_draws=baseline_draws, seed=seed
             )
-        drift = float("nan")
+        drift = None
         if layer + 1 < n_layers:
             following = walk_of(layer + 1)
-            drift = (
-                _drift(
-                    (walk.walk, walk.attention_mask, layer),
-                    (following.walk, following.attention_mask, layer + 1),
-                    exclude_sink,
-                    edges,
-                )
-                .mean()
-                .item()
+            drift = _drift(
+                (walk.walk, walk.attention_mask, layer),
+                (following.walk, following.attention_mask, layer + 1),
+                exclude_sink,
+                edges,
             )
-        base = res.baseline
-        shared = {
-            "layer": layer,
-            "stochasticity": res.stochasticity.mean().item(),
-            "reversibility": res.reversibility.mean().item(),
-            "mu_kind": ",".join(sorted(set(res.mu_kind))),
-            "scale": res.scale.mean().item(),
-            "pairing": float("nan") if res.pairing is None else res.pairing.mean().item(),
-            "drift_to_next": drift,
-        }
-        rows.append(
-            shared
-            | {
-                "head": "all",
-                "transport_defect": res.transport_defect.mean().item(),
-                "transport_defect_baseline": base["transport_defect"].mean.mean().item(),
-                "transport_defect_baseline_std": base["transport_defect"].std.mean().item(),
-                "field_defect": res.field_defect.mean().item(),
-                "field_defect_baseline": base["field_defect"].mean.mean().item(),
-                "field_defect_baseline_std": base["field_defect"].std.mean().item(),
-                "head_defect": res.head_defects.mean().item(),
-                "head_defect_baseline": base["head_defects"].mean.mean().item(),
-                "head_defect_baseline_std": base["head_defects"].std.mean().item(),
-            }
-        )
-        head_field = res.head_field_defects.mean(0)
-        for index, head in enumerate(names.get(layer, range(res.head_defects.shape[0]))):
-            rows.append(
-                shared
-                | {
-                    "head": head,
-                    "head_defect": res.head_defects[index].item(),
-                    "head_defect_baseline": base["head_defects"].mean[index].item(),
-                    "head_defect_baseline_std": base["head_defects"].std[index].item(),
-                    "field_defect": head_field[index].item(),
-                }
-            )
+        rows += _layer_rows(layer, res, drift, names.get(layer))
     return pd.DataFrame(rows)
+
+
+def _layer_rows(
+    layer: int, res: LaplacianResidual, drift: Tensor | None, heads: Sequence[int] | None
+) -> list[dict[str, object]]:
+    """The table's rows of one layer: its walk's (``"all"``) and each head's, every value
+    read off the device in one transfer."""
+    base = res.baseline
+    shared = {
+        "stochasticity": res.stochasticity,
+        "reversibility": res.reversibility,
+        "scale": res.scale,
+        "pairing": res.pairing,
+        "drift_to_next": drift,
+    }
+    walk_only = {
+        "transport_defect": res.transport_defect,
+        "transport_defect_baseline": base["transport_defect"].mean,
+        "transport_defect_baseline_std": base["transport_defect"].std,
+        "field_defect": res.field_defect,
+        "field_defect_baseline": base["field_defect"].mean,
+        "field_defect_baseline_std": base["field_defect"].std,
+    }
+    per_head = torch.stack(
+        [res.head_defects, base["head_defects"].mean, base["head_defects"].std]
+    ).to(res.transport_defect)
+    head_field = res.head_field_defects.mean(0).to(per_head)
+    batch_values = {name: v for name, v in (shared | walk_only).items() if v is not None}
+    batch_means = torch.stack([v.to(per_head) for v in batch_values.values()]).mean(1)
+    flat = torch.cat([batch_means, per_head.mean(1), per_head.flatten(), head_field]).tolist()
+    means = dict(zip(batch_values, flat, strict=False))
+    n_batch, n_heads = len(batch_values), per_head.shape[1]
+    head_names = ("head_defect", "head_defect_baseline", "head_defect_baseline_std")
+    walk_heads = dict(zip(head_names, flat[n_batch : n_batch + 3], strict=True))
+    columns = flat[n_batch + 3 :]  # the per-head values, then each head's field defect
+    by_head = [columns[index::n_heads] for index in range(n_heads)]
+    common: dict[str, object] = {
+        "layer": layer,
+        "stochasticity": means["stochasticity"],
+        "reversibility": means["reversibility"],
+        "mu_kind": ",".join(sorted(set(res.mu_kind))),
+        "scale": means["scale"],
+        "pairing": means.get("pairing", float("nan")),
+        "drift_to_next": means.get("drift_to_next", float("nan")),
+    }
+    rows = [common | {"head": "all"} | {name: means[name] for name in walk_only} | walk_heads]
+    for head, values in zip(heads or range(n_heads), by_head, strict=True):
+        rows.append(
+            common | {"head": head} | dict(zip((*head_names, "field_defect"), values, strict=True))
+        )
+    return rows

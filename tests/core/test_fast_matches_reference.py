@@ -30,6 +30,7 @@ from tl_connwalk.core import field_defect, generator, isometry, laplacian, marko
 from tl_connwalk.core import reference as ref
 from tl_connwalk.core import walk as core_walk
 from tl_connwalk.core._fast import draws
+from tl_connwalk.core._fast import messages as fast_messages
 from tl_connwalk.core.value_heads import grouped_value_heads
 from tl_connwalk.walk import ConnectionWalk
 
@@ -266,6 +267,16 @@ def ref_edge_rows(c: Case, sink: bool) -> Tensor:
     return ref.walk_weighted_mean(rW(c), values(c), exclude_sink=sink)
 
 
+def ref_message_grams(field: Tensor, W_V: Tensor, W_O: Tensor) -> Tensor:
+    """``G_j[a,b] = m^a_j . m^b_j`` from the reference's messages (no value bias)."""
+    m = ref.messages(field, W_V, torch.zeros(W_V.shape[::2], dtype=W_V.dtype), W_O)
+    return torch.einsum("bjae,bjce->bjac", m, m)
+
+
+def out_rows(W_O: Tensor) -> Tensor:
+    return field_defect.output_gram_rows(torch.einsum("apd,bqd->abpq", W_O, W_O))
+
+
 Row = tuple[str, Callable[[Case], Any], Callable[[Case], Any], str]
 
 #: name, fast, reference, tolerance ("sum", "unit", "cancel" or "exact"; see the module)
@@ -387,6 +398,11 @@ MEASUREMENTS: list[Row] = [
     ("common_scale", lambda c: isometry.common_scale(fW(c), fg(c), *VO(c), kv_heads=c.kv_heads),
      ref_scale, "sum"),
     # spec §3: the data-dependent defects
+    ("message_grams", lambda c: field_defect.message_grams(c.p.field, *VO(c)),
+     lambda c: ref_message_grams(c.p.field, *VO(c)), "sum"),
+    ("message_grams out_rows",
+     lambda c: field_defect.message_grams(c.p.field, *VO(c), out_rows=out_rows(c.p.W_O)),
+     lambda c: ref_message_grams(c.p.field, *VO(c)), "sum"),
     ("message_norm_ratios", lambda c: field_defect.message_norm_ratios(c.p.field, fg(c), *VO(c)),
      lambda c: ref.message_ratios(c.p.field, rg(c), *VO(c)), "sum"),
     ("head_message_norm_ratios",
@@ -510,6 +526,33 @@ def test_the_hand_built_cases_are_exact_in_the_reference() -> None:
     causal = CASES["causal"]
     assert not ref.is_irreducible(rW(causal)).any()
     assert not ref.pairing(rW(causal), rg(causal), *VO(causal))[1].any()
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("side", ["out_rows", "W_O"])
+def test_every_draw_and_sequence_at_once_matches_the_reference_one_by_one(dtype, side) -> None:
+    """The field baselines' batched message Grams (`messages.stacked_factored_grams`: values
+    ``L_s Y_d`` for every sequence ``s`` and draw ``d`` in one product) against the
+    reference's messages of each pair alone."""
+    gen = torch.Generator().manual_seed(SEED)
+    seqs, keys, heads, d_head, d_model, draws = 3, 5, 4, 2, 9, 3
+    factor = torch.randn(seqs, keys, keys, generator=gen, dtype=F64).tril()
+    values = torch.randn(draws, keys, heads * d_head, generator=gen, dtype=F64)
+    outputs = torch.randn(draws, heads, d_head, d_model, generator=gen, dtype=F64)
+    if side == "W_O":  # one W_O shared by the draws
+        outputs = outputs[:1].expand(draws, -1, -1, -1)
+        given = outputs[0]
+    else:
+        given = torch.stack([out_rows(W_O) for W_O in outputs])[:, None]
+    got = fast_messages.stacked_factored_grams(
+        factor.to(dtype), values.to(dtype), heads, given.to(dtype)
+    )
+    assert got.shape == (draws, seqs, keys, heads, heads)
+    for d in range(draws):
+        W_V = values[d].view(keys, heads, d_head).permute(1, 0, 2)  # keys' values per head
+        for s in range(seqs):
+            want = ref_message_grams(factor[s][None], W_V, outputs[d])[0]
+            check(got[d, s], want, "sum", dtype)
 
 
 #: Seeds of the field baseline's distribution test, and the z-score its means may differ by.

@@ -64,13 +64,15 @@ def test_per_cell_counts_merge_to_the_weighted_moments_and_empty_cells_stay_empt
     ]
     empty = torch.zeros(2, 3, dtype=torch.float64)
     merged = Moments(count=0.0, mean=empty, m2=empty).merge(chunks[0]).merge(chunks[1])
+    at_once = Moments.merged([Moments(count=empty, mean=empty, m2=empty), *chunks])
     full = weights.sum(-1) > 0
     mean = np.where(full, (weights * values).sum(-1) / np.where(full, weights.sum(-1), 1), 0)
     var = (weights * (values - mean[..., None]) ** 2).sum(-1) / np.where(full, weights.sum(-1), 1)
     tol = rtol(torch.float64, values.shape[-1])
-    np.testing.assert_allclose(merged.mean.numpy(), mean, rtol=tol, atol=tol)
-    np.testing.assert_allclose(merged.std.numpy(), np.sqrt(var), rtol=tol, atol=tol)
-    assert merged.mean[1, 2] == 0 and merged.std[1, 2] == 0
+    for summary in (merged, at_once):
+        np.testing.assert_allclose(summary.mean.numpy(), mean, rtol=tol, atol=tol)
+        np.testing.assert_allclose(summary.std.numpy(), np.sqrt(var), rtol=tol, atol=tol)
+        assert summary.mean[1, 2] == 0 and summary.std[1, 2] == 0
 
 
 @settings(max_examples=40, deadline=None)
@@ -86,10 +88,10 @@ def test_equal_values_have_exactly_zero_spread(value, weights, cut):
     values = torch.full_like(w, value)
     cut = min(cut, w.shape[1] - 1)
     whole = Moments.of_weighted(values, w)
-    merged = Moments.of_weighted(values[:, :cut], w[:, :cut]).merge(
-        Moments.of_weighted(values[:, cut:], w[:, cut:])
-    )
-    for summary in (whole, merged):
+    parts = [Moments.of_weighted(values[:, :cut], w[:, :cut])]
+    parts.append(Moments.of_weighted(values[:, cut:], w[:, cut:]))
+    merged = parts[0].merge(parts[1])
+    for summary in (whole, merged, Moments.merged(parts)):
         if w.sum() > 0:
             assert summary.mean.item() == value
         assert summary.m2.item() == 0 and summary.std.item() == 0 and summary.cv.item() == 0

@@ -88,11 +88,13 @@ def gaussian_factors(
     return rand_V, torch.randn(o_shape, dtype=dtype, device=device, generator=generator)
 
 
-def draw_scales(target_sq: Float[Tensor, " head"], drawn_sq: Float[Tensor, " head"]) -> Tensor:
+def draw_scales(
+    target_sq: Float[Tensor, " head"], drawn_sq: Float[Tensor, "*draw head"]
+) -> Float[Tensor, "*draw head"]:
     """``s_h = ||T^h||_F / ||R^h||_F`` from the squared norms: ``s_h R^h`` has ``T^h``'s norm.
 
-    0 where the draw ``R^h`` is 0. `random_head_factors` puts ``s_h`` on the factors
-    (`scale_factors`).
+    0 where the draw ``R^h`` is 0; ``drawn_sq`` may hold several draws (leading axes).
+    `random_head_factors` puts ``s_h`` on the factors (`scale_factors`).
     """
     target, drawn = target_sq.clamp_min(0.0).sqrt(), drawn_sq.clamp_min(0.0).sqrt()
     return torch.where(drawn > 0, target / torch.where(drawn > 0, drawn, 1.0), 0.0)

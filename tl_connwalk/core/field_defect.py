@@ -226,9 +226,9 @@ def field_isometry_defects(
     Family ``f`` is given by its `message_grams` ``grams[f]`` (a layer and its random draws,
     say): the gates are read once per chunk of queries for every family, and each chunk's
     ``rho`` is summarised by its float64 weighted mean and centred spread
-    (`tl_connwalk.core.moments.Moments`, two passes over the chunk), merged chunk by chunk
-    with Chan's update: no ``E[rho^2] - E[rho]^2`` cancellation, so equal ratios give 0
-    exactly, and no ``[batch, n, n]`` tensor of ratios is kept. The field's norms and ``H^2``
+    (`tl_connwalk.core.moments.Moments`, two passes over the chunk), all chunks merged at
+    the end (`Moments.merged`): no ``E[rho^2] - E[rho]^2`` cancellation, so equal ratios give
+    0 exactly, and no ``[batch, n, n]`` tensor of ratios is kept. The field's norms and ``H^2``
     are folded into the Grams first (`_ratio_grams`). Time ``O(batch n^2 family H^2)``, memory
     the walk's size plus one chunk. ``edges`` ``[batch, query, key]`` keeps only those edges
     (rows renormalised over them, as ``exclude_sink``), e.g. `tl_connwalk.core.padding.scope`'s.
@@ -256,14 +256,14 @@ def field_isometry_defects(
     # the moments run in float64 (chunk by chunk: no float64 copy of the walk)
     weights = weights.to(gates.device)
     empty = gates.new_zeros(grams.shape[:2], dtype=torch.float64)
-    moments = Moments(count=empty, mean=empty, m2=empty)
+    parts = [Moments(count=empty, mean=empty, m2=empty)]  # each chunk's, merged at the end
     scaled = _ratio_grams(grams, field)
     for rows, keys, rho_sq in _chunk_norms_sq(gates, scaled, query_chunk, walk):
         weight = weights[:, rows, :keys]
         rho = rho_sq.clamp_min_(0.0).sqrt_()
         rho = torch.where(weight > 0, rho, 0.0)  # no value off the walk, not even a NaN
-        moments = moments.merge(Moments.of_edges(rho.to(torch.float64), weight.to(torch.float64)))
-    return moments.cv.to(working_dtype(field, gates, grams))
+        parts.append(Moments.of_edges(rho.to(torch.float64), weight.to(torch.float64)))
+    return Moments.merged(parts).cv.to(working_dtype(field, gates, grams))
 
 
 def head_field_isometry_defects(

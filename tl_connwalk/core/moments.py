@@ -24,6 +24,7 @@ vary give ``M2 = 0`` exactly (`of_weighted`).
 """
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 from jaxtyping import Float
@@ -89,6 +90,32 @@ class Moments:
         tensor([[0.], [0.]])
         """
         return cls.of_weighted(values.flatten(-2), walk.flatten(-2))
+
+    @classmethod
+    def merged(cls, parts: "Sequence[Moments]") -> "Moments":
+        """The summary of every part's data at once (parts with tensor counts of one shape):
+        what merging them one by one gives, in a fixed number of operations. Centred on the
+        heaviest part's mean ``c``::
+
+            n = sum_k n_k,   m = c + sum_k n_k (m_k - c) / n,
+            M2 = sum_k M2_k + sum_k n_k (m_k - m)^2
+
+        so parts of one equal value give it as ``m`` and ``M2 = 0`` exactly.
+
+        >>> halves = [Moments.of_weighted(torch.tensor([[v]]), torch.ones(1, 1)) for v in (1., 3.)]
+        >>> Moments.merged(halves).m2
+        tensor([2.])
+        """
+        count, mean, m2 = (
+            torch.stack([torch.as_tensor(getattr(part, name)) for part in parts])
+            for name in ("count", "mean", "m2")
+        )
+        total = count.sum(0)
+        centre = mean.gather(0, count.argmax(0, keepdim=True))[0]
+        shift = (count * (mean - centre)).sum(0) / torch.where(total > 0, total, 1.0)
+        merged = torch.where(total > 0, centre + shift, 0.0)
+        spread = (count * (mean - merged).square()).sum(0)
+        return cls(count=total, mean=merged, m2=m2.sum(0) + spread)
 
     def merge(self, other: "Moments") -> "Moments":
         """The summary of both summaries' data (Chan's parallel update, see the module)."""

@@ -316,11 +316,12 @@ def laplacian_residual(
         )
 
     # the layer and its draws again as one family each, now by their message Grams
-    message_grams = [terms.message_grams, *terms.draw_message_grams(baseline_draws, seed)]
+    message_grams = torch.cat(
+        [terms.message_grams[None], terms.draw_message_grams(baseline_draws, seed)]
+    )
     fields = field_defect.field_isometry_defects(
-        X, W, g, torch.stack(message_grams), exclude_sink=drop_sink, query_chunk=query_chunk,
-        edges=scoped,
-    )  # fmt: skip
+        X, W, g, message_grams, exclude_sink=drop_sink, query_chunk=query_chunk, edges=scoped
+    )
     baseline = {
         "head_defects": rand.head_defects,
         "transport_defect": transport[1:],
@@ -442,7 +443,7 @@ class _LayerTerms:
         self.positions = walk.attention_mask
         self.rank = isometry.effective_rank(self.W_V, self.W_O, walk.kv_heads)
         self._draws: dict[tuple[int, int], LayerDraws] = {}
-        self._draw_grams: dict[tuple[int, int], list[Tensor]] = {}
+        self._draw_grams: dict[tuple[int, int], Tensor] = {}
 
     @functools.cached_property
     def heads(self) -> HeadGrams:
@@ -465,8 +466,8 @@ class _LayerTerms:
             )  # fmt: skip
         return self._draws[key]
 
-    def draw_message_grams(self, n_draws: int, seed: int) -> list[Tensor]:
-        """`LayerDraws.message_grams` of the field, one draw alive at a time.
+    def draw_message_grams(self, n_draws: int, seed: int) -> Float[Tensor, "draw batch key a b"]:
+        """`LayerDraws.message_grams` of the field.
 
         In a padded batch each sequence's real keys are drawn for as a sequence of their
         length (the field draws depend on it), one call per length: a sequence's field
@@ -478,24 +479,20 @@ class _LayerTerms:
             rand = self.layer_draws(n_draws, seed)
             positions = self.positions
             if positions is None:
-                self._draw_grams[key] = list(rand.message_grams(self.field))
+                self._draw_grams[key] = rand.message_grams(self.field)
             else:
                 self._draw_grams[key] = self._per_length(rand, positions)
         return self._draw_grams[key]
 
-    def _per_length(self, rand: LayerDraws, positions: Tensor) -> list[Tensor]:
-        n_heads = self.W_V.shape[0]
-        grams = [
-            self.field.new_zeros(*self.field.shape[:2], n_heads, n_heads)
-            for _ in range(len(rand.raw.draws))
-        ]
+    def _per_length(self, rand: LayerDraws, positions: Tensor) -> Tensor:
+        n_draws, n_heads = rand.scales.shape
+        grams = self.field.new_zeros(n_draws, *self.field.shape[:2], n_heads, n_heads)
         lengths = positions.sum(-1)
         for length in lengths.unique().tolist():
             seqs = (lengths == length).nonzero().flatten()
             keys = positions[seqs].nonzero()[:, 1].view(len(seqs), int(length))
             rows = seqs[:, None].expand_as(keys)
-            for gram, part in zip(grams, rand.message_grams(self.field[rows, keys]), strict=True):
-                gram[rows, keys] = part
+            grams[:, rows, keys] = rand.message_grams(self.field[rows, keys])
         return grams
 
 

@@ -62,9 +62,11 @@ OUT_ROWS_BYTES = 2**29
 class RawDraws:
     """The ``n_draws`` raw draws of one seed for heads of one shape, dtype and device.
 
-    ``kept`` holds the factors themselves when all of them fit ``CHUNK_ENTRIES``
-    numbers (GPT-2 small: 8 draws are 9.4M); otherwise `factors` draws them again from the
-    seed (the same numbers) instead of holding them.
+    ``grams`` holds every draw's `head_grams.HeadGrams`, stacked (each tensor ``[draw,
+    ...]``: the layers' measurements take all draws in one batched product); ``draws`` gives
+    them one by one. ``kept`` holds the factors themselves when all of them fit
+    ``CHUNK_ENTRIES`` numbers (GPT-2 small: 8 draws are 9.4M); otherwise `factors` draws them
+    again from the seed (the same numbers) instead of holding them.
     """
 
     v_shape: torch.Size
@@ -72,9 +74,24 @@ class RawDraws:
     dtype: torch.dtype
     device: torch.device
     seed: int
-    draws: tuple[head_grams.HeadGrams, ...]
+    grams: head_grams.HeadGrams
     kept: tuple[tuple[Tensor, Tensor], ...] | None
     kv_heads: KVHeads | None = None
+
+    @property
+    def draws(self) -> tuple[head_grams.HeadGrams, ...]:
+        """Each draw's `head_grams.HeadGrams` (views of ``grams``)."""
+        g, rows = self.grams, self.grams.out_rows
+        return tuple(
+            head_grams.HeadGrams(
+                g.norms_sq[d],
+                g.K2[d],
+                g.pair_gram[d],
+                g.head_defects[d],
+                None if rows is None else rows[d],
+            )
+            for d in range(g.norms_sq.shape[0])
+        )
 
     def factors(self) -> Iterator[tuple[Tensor, Tensor]]:
         """``(R_V, R_O)`` of every draw, in order."""
@@ -103,7 +120,7 @@ def raw_draws(
 
     Cached for the last two shapes: a model's layers share them. Costs, once,
     ``n_draws`` times one layer's `isometry.gram_matrices` and head defects. Each draw keeps
-    its output Gram's upper block rows (`head_grams.HeadGrams.out_rows`, what spares
+    its output Gram's upper blocks (`head_grams.HeadGrams.out_rows`, what spares
     `field_defect.message_grams` the messages) at any width while all draws' rows together
     fit ``OUT_ROWS_BYTES`` (a Llama-3-8B shape: 33 MiB per draw, 264 MiB for 8 draws).
     """
@@ -112,17 +129,30 @@ def raw_draws(
     row_bytes = field_defect.output_gram_rows_numel(v_shape[0], v_shape[2]) * dtype.itemsize
     out_rows = n_draws * row_bytes <= OUT_ROWS_BYTES
     draws, kept = [], []
-    for _ in range(n_draws):
+    rows = None  # every draw's output-Gram rows, filled draw by draw (no second copy)
+    for d in range(n_draws):
         R_V, R_O = isometry.gaussian_factors(v_shape, o_shape, dtype, device, generator, kv_heads)
         # not in the head-Gram store: this cache holds them
-        draws.append(head_grams.compute_head_grams(R_V, R_O, out_rows=out_rows))
+        grams = head_grams.compute_head_grams(R_V, R_O, out_rows=out_rows)
+        if grams.out_rows is not None:
+            if rows is None:
+                rows = grams.out_rows.new_empty(n_draws, *grams.out_rows.shape)
+            rows[d] = grams.out_rows
+            grams = dataclasses.replace(grams, out_rows=None)
+        draws.append(grams)
         if keep:  # R_V laid out as W_V^cat [d_model, head d_head], what message Grams multiply
             kept.append((_values_major(R_V), R_O))
         del R_V, R_O  # before the next draw: one draw's factors alive at a time
+    stacked = head_grams.HeadGrams(
+        norms_sq=torch.stack([d.norms_sq for d in draws]),
+        K2=torch.stack([d.K2 for d in draws]),
+        pair_gram=torch.stack([d.pair_gram for d in draws]),
+        head_defects=torch.stack([d.head_defects for d in draws]),
+        out_rows=rows,
+    )
     return RawDraws(
-        v_shape, o_shape, dtype, device, seed, tuple(draws), tuple(kept) if keep else None,
-        kv_heads,
-    )  # fmt: skip
+        v_shape, o_shape, dtype, device, seed, stacked, tuple(kept) if keep else None, kv_heads
+    )
 
 
 def _sharing(kv_heads: KVHeads | None) -> tuple[KVHeads, ...]:
@@ -298,52 +328,47 @@ class LayerDraws:
     head_defects: Float[Tensor, "draw head"]
     norms_sq: Float[Tensor, " head"]
 
-    def message_grams(self, field: Float[Tensor, "batch key d_model"]) -> Iterator[Tensor]:
-        """`field_defect.message_grams` of each field draw on ``field``, ``[batch, key, head,
-        head]``.
+    def message_grams(
+        self, field: Float[Tensor, "batch key d_model"]
+    ) -> Float[Tensor, "draw batch key head head"]:
+        """`field_defect.message_grams` of each field draw on ``field``.
 
         The draw is ``T'^h = s_h R^h``, so its message Gram is that of the raw draw times
-        ``s_a s_b``: no scaled copy of the factors is made, one raw draw alive at a time (and
-        the raw draw's ``out_rows``, where kept, spare its messages). For each sequence that
-        `key_factor` factors, the raw values are ``L Y`` instead (`key_draws`, module
-        docstring), scaled to the layer's head norms through the implied ``||Z^h R_O^h||_F``.
+        ``s_a s_b``: no scaled copy of the factors is made (and the raw draws' ``out_rows``,
+        where kept, spare their messages). The sequences that `key_factor` factors take the
+        raw values ``L Y`` instead (`key_draws`, module docstring), scaled to the layer's head
+        norms through the implied ``||Z^h R_O^h||_F``: every draw and every such sequence in
+        one batched product where the output-Gram rows are kept. The other sequences go
+        through each draw's ``R_V``, one raw draw alive at a time.
         """
         raw = self.raw
-        keys = key_factor(field, len(raw.draws), raw.v_shape[0] * raw.v_shape[2])
-        factored = [] if keys is None else keys[1].nonzero().flatten().tolist()
-        if keys is None or not factored:
-            draws = zip(raw.factors(), raw.draws, self.scales, strict=True)
-            for (R_V, R_O), drawn, scale in draws:
-                grams = field_defect.message_grams(field, R_V, R_O, out_rows=drawn.out_rows)
+        n_draws, n_heads = raw.grams.norms_sq.shape
+        grams = field.new_empty(n_draws, *field.shape[:2], n_heads, n_heads)
+        keys = key_factor(field, n_draws, raw.v_shape[0] * raw.v_shape[2])
+        direct: Tensor | None = None  # the sequences through R_V (None: all)
+        if keys is not None:
+            factor, factored = keys
+            if bool(factored.any()):
+                keyed = key_draws(
+                    raw.v_shape, raw.o_shape, raw.dtype, raw.device, raw.seed, n_draws,
+                    factor.shape[1], *_sharing(raw.kv_heads),
+                )  # fmt: skip
+                scale = _outer(isometry.draw_scales(self.norms_sq, keyed.norms_sq))
+                part = _keyed_grams(keyed, raw, factor[factored])
+                grams[:, factored] = part * scale[:, None, None].to(part)
+            direct = ~factored
+        if direct is None or bool(direct.any()):
+            keys_of = field if direct is None else field[direct]
+            for d, (R_V, R_O) in enumerate(raw.factors()):
+                out_rows = None if raw.grams.out_rows is None else raw.grams.out_rows[d]
+                part = field_defect.message_grams(keys_of, R_V, R_O, out_rows=out_rows)
                 del R_V, R_O  # before the next draw is made
-                yield grams * (scale[:, None] * scale[None, :]).to(grams)
-            return
-        factor, direct = keys[0], (~keys[1]).nonzero().flatten().tolist()
-        keyed = key_draws(
-            raw.v_shape, raw.o_shape, raw.dtype, raw.device, raw.seed, len(raw.draws),
-            factor.shape[1], *_sharing(raw.kv_heads),
-        )  # fmt: skip
-        # the raw factors only where a sequence goes direct or a draw kept no output-Gram rows
-        needed = bool(direct) or any(drawn.out_rows is None for drawn in raw.draws)
-        factors = raw.factors() if needed else None
-        n_heads = raw.v_shape[0]
-        for d, (Y, drawn) in enumerate(zip(keyed.values(), raw.draws, strict=True)):
-            pair = None if factors is None else next(factors)
-            outputs = None if pair is None or drawn.out_rows is not None else pair[1]
-            grams = field.new_empty(*field.shape[:2], n_heads, n_heads)
-            for b in factored:
-                grams[b] = field_defect.factored_message_grams(
-                    factor[b], Y, n_heads, W_O=outputs, out_rows=drawn.out_rows
-                )
-            scale = isometry.draw_scales(self.norms_sq, keyed.norms_sq[d])
-            grams[factored] *= (scale[:, None] * scale[None, :]).to(grams)
-            if direct and pair is not None:  # these sequences through this draw's own R_V
-                scale = self.scales[d]
-                grams[direct] = field_defect.message_grams(
-                    field[direct], *pair, out_rows=drawn.out_rows
-                ) * (scale[:, None] * scale[None, :]).to(grams)
-            del pair, outputs  # before the next draw is made
-            yield grams
+                part = part * _outer(self.scales[d]).to(part)
+                if direct is None:
+                    grams[d] = part
+                else:
+                    grams[d, direct] = part
+        return grams
 
     def factors(self) -> Iterator[tuple[Tensor, Tensor]]:
         """Each draw's ``(W_V', W_O')``, as `isometry.random_head_factors` returns them."""
@@ -354,6 +379,28 @@ class LayerDraws:
             del raw  # one draw's factors alive at a time (2 x 64 MiB for an 8B layer)
             yield scaled
             del scaled
+
+
+def _outer(scale: Tensor) -> Tensor:
+    """``s_a s_b`` ``[..., head, head]`` of per-head scales ``[..., head]``."""
+    return scale[..., :, None] * scale[..., None, :]
+
+
+def _keyed_grams(
+    keyed: KeyDraws, raw: RawDraws, factor: Float[Tensor, "seq key key"]
+) -> Float[Tensor, "draw seq key head head"]:
+    """The raw message Grams of the values ``L Y`` of every draw (``Y`` from ``keyed``) for
+    each factored sequence's ``L``: all draws at once through the kept output-Gram rows, else
+    one draw at a time through its ``R_O``."""
+    n_heads = raw.v_shape[0]
+    if raw.grams.out_rows is not None:
+        values = torch.stack(list(keyed.values()))
+        return messages.stacked_factored_grams(factor, values, n_heads, raw.grams.out_rows[:, None])
+    parts = [
+        messages.stacked_factored_grams(factor, Y[None], n_heads, R_O)[0]
+        for Y, (_, R_O) in zip(keyed.values(), raw.factors(), strict=True)
+    ]
+    return torch.stack(parts)
 
 
 def layer_draws(
@@ -383,12 +430,10 @@ def layer_draws(
     kv_heads = value_heads.check_kv_heads(kv_heads, W_V.shape[0])
     raw = raw_draws(W_V.shape, W_O.shape, W_V.dtype, W_V.device, seed, n_draws, *_sharing(kv_heads))
     target = isometry.head_norms_sq(W_V, W_O) if norms_sq is None else norms_sq.to(W_V)
-    scales = torch.stack([isometry.draw_scales(target, draw.norms_sq) for draw in raw.draws])
+    scales = isometry.draw_scales(target, raw.grams.norms_sq)
     first, second = quartic.head_pairs(W_V.shape[0], W_V.device)
     pair_scales = scales[:, first] * scales[:, second]
-    K2 = torch.stack([draw.K2 for draw in raw.draws])
-    pair_gram = torch.stack([draw.pair_gram for draw in raw.draws])
-    head_defects = torch.stack([draw.head_defects for draw in raw.draws])
+    K2, pair_gram, head_defects = raw.grams.K2, raw.grams.pair_gram, raw.grams.head_defects
     return LayerDraws(
         norms_sq=target,
         raw=raw,

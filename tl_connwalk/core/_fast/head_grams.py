@@ -3,7 +3,7 @@
 The head transports ``T^h = W_V^h W_O^h`` give the head Grams ``K2``, the folded ``K4`` and
 the head defects (spec §3; `tl_connwalk.core.isometry.gram_matrices`, `isometry.fold_pairs`,
 `isometry.head_transport_defects`) and, for layers with ``H d_head <= OUT_GRAM_WIDTH``, the
-upper block rows of the output Gram ``W_O^cat W_O^cat^T`` that spare the field defect its
+upper blocks of the output Gram ``W_O^cat W_O^cat^T`` that spare the field defect its
 messages (`tl_connwalk.core.field_defect.message_grams`). They depend on the weights, not on the
 tokens: every cache of one model (each batch of ``analyze``, each prompt of a study) needs
 the same ones, and for a GPT-2-small layer they cost about as much as that layer's forward
@@ -37,7 +37,7 @@ from tl_connwalk.core._fast.lru import CacheInfo, Store, tensor_bytes
 #: needs 1.2 MiB (26 KiB without its ``out_rows``), a Llama-3-8B layer (32 heads) 1.1 MiB.
 CACHE_BYTES = 2**28
 #: Widest ``H d_head`` whose output Gram ``W_O^cat W_O^cat^T`` is kept (`HeadGrams.out_rows`,
-#: its upper block rows): 1024 is about 2 MiB in float32 (GPT-2 small: 768, 1.2 MiB). Wider
+#: its upper blocks): 1024 is about 2 MiB in float32 (GPT-2 small: 768, 1.2 MiB). Wider
 #: layers measure their message Grams through the messages (`field_defect.message_grams`).
 OUT_GRAM_WIDTH = 1024
 
@@ -48,17 +48,18 @@ class HeadGrams:
 
     ``norms_sq[h] = ||T^h||_F^2`` (the diagonal of ``K2``), ``K2[a,b] = tr(T^a^T T^b)``,
     ``pair_gram = fold_pairs(K4)`` over the head pairs ``a <= c``, ``head_defects[h] =
-    delta(T^h)`` with ``r = d_head``, and ``out_rows``, the upper block rows of ``W_O^cat
+    delta(T^h)`` with ``r = d_head``, and ``out_rows``, the upper blocks of ``W_O^cat
     W_O^cat^T`` (blocks ``W_O^a W_O^b^T``, ``b >= a``, packed by
     `field_defect.output_gram_rows`; what `field_defect.message_grams` needs to skip the
-    messages) where ``H d_head <= OUT_GRAM_WIDTH``, else ``None``.
+    messages) where ``H d_head <= OUT_GRAM_WIDTH``, else ``None``. The random draws keep
+    theirs stacked, each tensor with a leading draw axis (`tl_connwalk.core._fast.draws`).
     """
 
-    norms_sq: Float[Tensor, " head"]
-    K2: Float[Tensor, "head head"]
-    pair_gram: Float[Tensor, "pair pair"]
-    head_defects: Float[Tensor, " head"]
-    out_rows: Float[Tensor, " packed"] | None = None
+    norms_sq: Float[Tensor, "*draw head"]
+    K2: Float[Tensor, "*draw head head"]
+    pair_gram: Float[Tensor, "*draw pair pair"]
+    head_defects: Float[Tensor, "*draw head"]
+    out_rows: Float[Tensor, "*draw packed"] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -74,7 +75,7 @@ def compute_head_grams(
 ) -> HeadGrams:
     """`HeadGrams` of ``W_V``, ``W_O``, computed now (no store): ``O(H^3 d_head^3)``.
 
-    ``out_rows``: whether to keep the output Gram's upper block rows (``None``: where
+    ``out_rows``: whether to keep the output Gram's upper blocks (``None``: where
     ``H d_head <= OUT_GRAM_WIDTH``; `tl_connwalk.core._fast.draws` keeps them at any width, since
     one set serves every layer of a shape).
 

@@ -5,7 +5,7 @@ themselves where that Gram is too wide), in blocks of keys: no ``d_model x d_mod
 from collections.abc import Callable
 
 import torch
-from einops import rearrange
+from einops import einsum, rearrange
 from jaxtyping import Float
 from torch import Tensor
 
@@ -62,16 +62,19 @@ def output_gram_rows_numel(n_heads: int, d_head: int) -> int:
 
 
 def row_blocks(out_rows: Tensor, n_heads: int, d_head: int) -> list[Tensor]:
-    """Views of the row blocks packed by `output_gram_rows`, each ``[d_head, (H - a) d_head]``."""
+    """Views of the row blocks packed by `output_gram_rows`, each ``[..., d_head, (H - a)
+    d_head]`` (any leading axes of ``out_rows``, e.g. one per draw)."""
     expected = output_gram_rows_numel(n_heads, d_head)
-    if out_rows.shape != (expected,):
+    if out_rows.shape[-1:] != (expected,):
         raise ConnWalkError(
             f"out_rows {tuple(out_rows.shape)} must be [{expected}]: the upper block rows of "
             f"W_O^cat W_O^cat^T for {n_heads} heads of {d_head}, packed by output_gram_rows."
         )
     sizes = [d_head * (n_heads - a) * d_head for a in range(n_heads)]
+    lead = out_rows.shape[:-1]
     return [
-        part.view(d_head, (n_heads - a) * d_head) for a, part in enumerate(out_rows.split(sizes))
+        part.view(*lead, d_head, (n_heads - a) * d_head)
+        for a, part in enumerate(out_rows.split(sizes, dim=-1))
     ]
 
 
@@ -110,17 +113,11 @@ def message_grams(
     batch = field.shape[0]
     keys = rearrange(field, "batch key d_model -> (batch key) d_model")
     heads = (W_V.shape[0], W_V.shape[2])
-    if out_rows is not None:  # W_V^cat in one product (a view for the draws' factors)
-        values = rearrange(W_V, "head d_model d_head -> d_model (head d_head)")
-        grams = _value_grams(lambda block: keys[block] @ values, keys, heads, None, out_rows)
-    else:  # head by head: no W_V-sized layout copy
-        grams = _value_grams(
-            lambda block: torch.stack([keys[block] @ W_V[h] for h in range(heads[0])], 1),
-            keys,
-            heads,
-            W_O,
-            None,
-        )
+    values = rearrange(W_V, "head d_model d_head -> d_model (head d_head)")  # a view for draws
+    grams = _value_grams(
+        lambda block: keys[block] @ values, keys, heads, None if out_rows is not None else W_O,
+        out_rows,
+    )  # fmt: skip
     return rearrange(grams, "(batch key) a b -> batch key a b", batch=batch)
 
 
@@ -170,35 +167,69 @@ def factored_message_grams(
     )
 
 
+def stacked_factored_grams(
+    factor: Float[Tensor, "seq row rank"],
+    values: Float[Tensor, "draw rank head_d_head"],
+    n_heads: int,
+    side: Float[Tensor, "draw 1 packed"] | Float[Tensor, "head d_head d_model"],
+) -> Float[Tensor, "draw seq row head head"]:
+    """`factored_message_grams` of several sequences' factors and several draws' values at
+    once: ``side`` is each draw's ``out_rows`` (``[draw, 1, packed]``) or one ``W_O`` shared
+    by the draws. One batched product per block of rows, whatever the number of draws and
+    sequences."""
+    dtype = working_dtype(factor, values, side)
+    factor, values, side = (t.to(device=factor.device, dtype=dtype) for t in (factor, values, side))
+    d_head = values.shape[-1] // max(1, n_heads)
+    packed = side.ndim == 3 and side.shape[1] == 1
+    return _value_grams(
+        lambda block: einsum(factor[:, block], values, "seq row k, draw k e -> draw seq row e"),
+        factor[0],
+        (n_heads, d_head),
+        None if packed else side,
+        side if packed else None,
+        copies=values.shape[0] * factor.shape[0],
+    )
+
+
 def _value_grams(
     values_of: Callable[[slice], Tensor],
     rows_like: Tensor,
     heads: tuple[int, int],
     W_O: Tensor | None,
     out_rows: Tensor | None,
+    copies: int = 1,
 ) -> Tensor:
-    """``G_j[a,b]`` ``[row, head, head]`` (``rows_like``'s rows, dtype and device) from each
-    block's values ``values_of(rows)`` (``[rows, head, d_head]`` or ``[rows, head d_head]``),
-    block by block of rows: through ``out_rows`` where given, else through ``W_O``."""
+    """``G_j[a,b]`` ``[..., row, head, head]`` (``rows_like``'s rows: their number, dtype and
+    device) from each block's values ``values_of(rows)`` (``[..., rows, head d_head]``, with
+    ``copies`` the product of the leading axes: draws, sequences), block by block of rows:
+    through ``out_rows`` (``[..., packed]``, leading axes that broadcast against the values')
+    where given, else through ``W_O``."""
     (n_heads, d_head), n_rows = heads, rows_like.shape[0]
-    grams = rows_like.new_empty(n_rows, n_heads, n_heads)  # filled block by block
     if out_rows is None:
         if W_O is None:
             raise ConnWalkError("message Grams need W_O or out_rows (one of them).")
+        grams = None
         # a quarter of the chunk budget: larger blocks only raise the peak (8B: 64 MiB more)
-        for block in query_chunks(n_rows, 4 * n_heads * W_O.shape[-1]):
-            v = values_of(block).view(-1, n_heads, d_head)
-            messages = v.new_empty(v.shape[0], n_heads, W_O.shape[-1])
-            for h in range(n_heads):
-                messages[:, h] = v[:, h] @ W_O[h]
-            grams[block] = messages @ messages.mT
+        for block in query_chunks(n_rows, copies * 4 * n_heads * W_O.shape[-1]):
+            v = values_of(block).unflatten(-1, (n_heads, d_head))
+            messages = einsum(v, W_O, "... row head p, head p d -> ... row head d")
+            part = messages @ messages.mT
+            if grams is None:
+                grams = part.new_empty(*part.shape[:-3], n_rows, n_heads, n_heads)
+            grams[..., block, :, :] = part
+        assert grams is not None
         return grams
     gram_rows = row_blocks(out_rows.to(rows_like), n_heads, d_head)
-    # per row: its values, and one head's pair forms (at most H d_head) at a time
-    for block in query_chunks(n_rows, 4 * 2 * n_heads * d_head):
-        v = values_of(block).view(-1, n_heads, d_head)
+    grams = None
+    # per row and copy: its values, and one head's pair forms (at most H d_head) at a time;
+    # every draw and sequence of a block in the same product (a loop over heads only)
+    for block in query_chunks(n_rows, copies * 4 * 2 * n_heads * d_head):
+        v = values_of(block).unflatten(-1, (n_heads, d_head))
+        if grams is None:
+            grams = v.new_empty(*v.shape[:-3], n_rows, n_heads, n_heads)
         for a, rows in enumerate(gram_rows):
-            pair = (v[:, a] @ rows).view(-1, n_heads - a, d_head)
-            grams[block, a, a:] = (pair * v[:, a:]).sum(-1)
+            pair = (v[..., a, :] @ rows).unflatten(-1, (n_heads - a, d_head))
+            grams[..., block, a, a:] = (pair * v[..., a:, :]).sum(-1)
+    assert grams is not None
     upper = torch.ones(n_heads, n_heads, dtype=torch.bool, device=grams.device).triu()
     return torch.where(upper, grams, grams.mT)  # G_j[b,a] = G_j[a,b]

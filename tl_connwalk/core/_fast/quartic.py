@@ -218,6 +218,7 @@ def forms(g: Tensor, rows: QuarticRows, step: int) -> tuple[Tensor, Tensor]:
     n_heads, n_edges = g.shape
     families, n_gathered = rows.families, rows.gathered.numel()
     n_pairs = n_heads * (n_heads + 1) // 2
+    first, second = head_pairs(n_heads, g.device)
     s4, s2 = g.new_empty(families, n_edges), g.new_empty(families, n_edges)
     width = min(step, n_edges)
     # flat buffers for every block, viewed contiguously at each block's size
@@ -227,10 +228,8 @@ def forms(g: Tensor, rows: QuarticRows, step: int) -> tuple[Tensor, Tensor]:
         block = g[:, start : start + step]
         size = block.shape[1]
         u = columns[: n_pairs * size].view(n_pairs, size)
-        at = 0
-        for a in range(n_heads):  # u_{ac} = g^a g^c for c >= a, in `head_pairs` order
-            torch.mul(block[a : a + 1], block[a:], out=u[at : at + n_heads - a])
-            at += n_heads - a
+        # u_{ac} = g^a g^c for c >= a, in `head_pairs` order: every pair in one product
+        torch.mul(block.index_select(0, first), block.index_select(0, second), out=u)
         gathered = picked[: n_gathered * size].view(n_gathered, size)
         torch.index_select(u, 0, rows.gathered, out=gathered)
         mixed = products[: rows.outputs * families * size].view(rows.outputs, families, size)
