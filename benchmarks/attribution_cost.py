@@ -72,13 +72,15 @@ def setup(name: str, n: int) -> tuple[torch.nn.Module, torch.Tensor]:
     return model, tokens
 
 
-def first_peak(name: str, n: int, what: str) -> int:
-    """Peak resident-set growth of the first ``run_with_cache`` or ``attribute`` call."""
+def first_peak(name: str, n: int, what: str) -> tuple[int, int]:
+    """Peak resident-set growth of the first ``run_with_cache`` or ``attribute`` call, and
+    the model's ``d_model``."""
     model, tokens = setup(name, n)
+    d_model = int(model.cfg.d_model)
     if what == "run_with_cache":
         with torch.no_grad():
-            return measure(functools.partial(model.run_with_cache, tokens))[1]
-    return measure(functools.partial(tl_connwalk.attribute, model, tokens))[1]
+            return measure(functools.partial(model.run_with_cache, tokens))[1], d_model
+    return measure(functools.partial(tl_connwalk.attribute, model, tokens))[1], d_model
 
 
 def timings(name: str, n: int, repeats: int, baselines: bool) -> tuple[float, float, str]:
@@ -126,9 +128,8 @@ def main() -> None:
         for n in dict.fromkeys(lengths):
             baselines = args.baselines and n == args.baseline_tokens
             b, e, knock = fresh(timings, name, n, args.repeats, baselines)
-            p = fresh(first_peak, name, n, "attribute")
-            p_cache = fresh(first_peak, name, n, "run_with_cache")
-            d_model = 576 if name == "smollm2-135m" else 768
+            p, d_model = fresh(first_peak, name, n, "attribute")
+            p_cache, _ = fresh(first_peak, name, n, "run_with_cache")
             print(f"| {name} | {n} | {b:.2f} | {e:.2f} | {e / b:.2f} | {p / 2**20:.0f} | "
                   f"{p / (4 * n * n * d_model):.2f} | {p / p_cache:.2f} | {knock} |",
                   flush=True)  # fmt: skip

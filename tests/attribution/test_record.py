@@ -141,12 +141,16 @@ def test_by_component_is_direct_logit_attribution_by_source(arch_):
     torch.testing.assert_close(parts, gradients, rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("arch_", ["gpt2_ln", "llama_gqa_rotary", "parallel_rotary"])
+@pytest.mark.parametrize(
+    "arch_", ["gpt2_ln", "llama_gqa_rotary", "parallel_rotary", "ln_post_gemma_like"]
+)
 @pytest.mark.parametrize("left", [False, True], ids=["right", "left"])
 @hooked_only
 def test_by_component_padded_equals_gradients(arch_, left, monkeypatch):
     """In a padded batch, padding sends nothing and the rest is the definition's; here the
-    sources run one per pass (the smallest chunks)."""
+    sources run one per pass (the smallest chunks). Summed over components it is the scores,
+    which the connection method computes without reading any component (a norm after the
+    attention, Gemma's ``ln1_post``, included)."""
     monkeypatch.setattr(connection, "COMPONENT_CHUNK_ENTRIES", 1)
     model = build(arch_, dtype=torch.float64)
     toks = tokens()
@@ -159,6 +163,7 @@ def test_by_component_padded_equals_gradients(arch_, left, monkeypatch):
     parts = result.by_component()
     expected = components_by_gradients(model, toks, 5, -2, mask)
     torch.testing.assert_close(parts, expected, rtol=0, atol=component_tolerance(result, expected))
+    torch.testing.assert_close(parts.sum(1), result.scores, rtol=0, atol=tolerance(result))
     assert (parts[1][:, mask[1] == 0] == 0).all()
 
 
@@ -280,3 +285,13 @@ def test_show_displays_the_page_to_html_writes(gpt2, tmp_path, monkeypatch):
         assert expected["sequences"][0]["tokens"] == labels[0]
         listed = [len(seq["routes"] or []) for seq in expected["sequences"]]
         assert listed == counts
+
+
+@hooked_only
+def test_by_component_gives_a_copy():
+    """Editing what by_component returned does not change its next answer."""
+    result = tl_connwalk.attribute(build("gpt2_ln", dtype=torch.float64), tokens())
+    first = result.by_component()
+    kept = first.clone()
+    first.zero_()
+    torch.testing.assert_close(result.by_component(), kept, rtol=0, atol=0)

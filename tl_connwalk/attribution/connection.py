@@ -248,7 +248,12 @@ def _component_reads(
     reads = [(seen["embed"] * g).sum(-1)[:, None]]
     for layer, g_z in enumerate(heads):
         reads.append((seen[f"z{layer}"] * g_z.repeat(copies, 1, 1)).sum(-1))
-        if f"mlp{layer}" in seen:
+        if not config(model).attn_only:
+            if f"mlp{layer}" not in seen:
+                raise ConnWalkError(
+                    f"blocks.{layer}.hook_mlp_out did not fire in {type(model).__name__}'s "
+                    "forward pass; by_component reads each MLP's output there."
+                )
             reads.append((seen[f"mlp{layer}"] * g).sum(-1)[:, None])
     return torch.cat(reads, -1).unflatten(0, (copies, n_batch))
 

@@ -147,7 +147,7 @@ class Attribution:
         >>> parts = result.by_component()
         >>> torch.testing.assert_close(parts.sum(1), result.scores)
         """
-        return self._component_parts()[1]
+        return self._component_parts()[1].clone()
 
     def component_names(self) -> list[str]:
         """The names of `by_component`'s components, e.g. ``["embed", "L0H0", ...]``."""

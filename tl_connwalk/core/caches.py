@@ -12,7 +12,7 @@ batch and prompt of a model shares it (docs/performance.md, "Caches"):
 
 Results never depend on them: a cleared cache is filled again with the same numbers. The
 stores themselves are private (``tl_connwalk.core._fast``); `head_grams` and `layer_draws`
-are the two cached terms a layer's measurements read (`tl_connwalk.residual`).
+are the two cached terms a layer's measurements read (`tl_connwalk.walk.residual`).
 
 >>> import tl_connwalk
 >>> sorted(tl_connwalk.caches())[0]
