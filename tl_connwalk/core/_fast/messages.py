@@ -171,7 +171,8 @@ def stacked_factored_grams(
     factor: Float[Tensor, "seq row rank"],
     values: Float[Tensor, "draw rank head_d_head"],
     n_heads: int,
-    side: Float[Tensor, "draw 1 packed"] | Float[Tensor, "head d_head d_model"],
+    # the two shapes can both fit a 3-d tensor: no axis of ``side`` binds a name
+    side: Float[Tensor, "_draw 1 _packed"] | Float[Tensor, "_head _d_head _d_model"],
 ) -> Float[Tensor, "draw seq row head head"]:
     """`factored_message_grams` of several sequences' factors and several draws' values at
     once: ``side`` is each draw's ``out_rows`` (``[draw, 1, packed]``) or one ``W_O`` shared
