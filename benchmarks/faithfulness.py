@@ -43,8 +43,11 @@ scales frozen, the MLP gains frozen, or both (as the connection method freezes t
 its rank correlation with the connection scores; where freezing a kind of nonlinearity brings
 knockout to the connection method, that linearisation is what separates them.
 
-Writes ``DIR/faithfulness.csv`` (one row per target and method), ``DIR/ladder.csv`` and
-``DIR/faithfulness.md`` (the tables), and prints the tables.
+Writes ``DIR/faithfulness.csv`` (one row per target and method), ``DIR/ladder.csv``,
+``DIR/problems.json`` (why a method did not run) and ``DIR/faithfulness.md`` (the tables), and
+prints the tables. A long run can be split: ``--pick`` runs some windows of the ``--windows``
+layout, and ``--merge DIR1 DIR2 ... --out DIR`` writes the tables of several runs' targets
+together (each run's windows stay separate clusters of the bootstrap).
 """
 
 import argparse
@@ -53,6 +56,7 @@ import csv
 import dataclasses
 import datetime
 import importlib.metadata
+import json
 import math
 import platform
 import statistics
@@ -501,6 +505,8 @@ def run_model(
     ladder_rows: list[dict[str, Any]] = []
     for domain, text in texts().items():
         for w, ids in enumerate(windows(model, text, args.tokens, args.windows)):
+            if args.pick is not None and w not in args.pick:
+                continue
             group = targets_of(model, name, domain, w, ids)
             base = baseline_seconds(model, group[0].tokens)
             run_ours(model, group, problems)
@@ -624,6 +630,56 @@ def ladder_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def write_tables(
+    out: Path,
+    rows: list[dict[str, Any]],
+    ladder_rows: list[dict[str, Any]],
+    problems: dict[str, dict[str, str]],
+) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for path, table in (("faithfulness.csv", rows), ("ladder.csv", ladder_rows)):
+        if table:
+            with (out / path).open("w", newline="") as handle:
+                writer = csv.DictWriter(handle, fieldnames=list(table[0]))
+                writer.writeheader()
+                writer.writerows(table)
+    (out / "problems.json").write_text(json.dumps(problems, indent=1) + "\n")
+
+
+def read_rows(path: Path, run: int) -> list[dict[str, Any]]:
+    """The rows of a run's CSV, numbers parsed, windows renamed ``run.window``."""
+    if not path.exists():
+        return []
+    with path.open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    for row in rows:
+        for key, value in row.items():
+            with contextlib.suppress(ValueError):
+                row[key] = float(value)
+        row["window"] = f"{run}.{int(row['window'])}"
+    return rows
+
+
+def merged(runs: list[Path], out: Path) -> str:
+    """The tables of several runs' targets together; returns the text of ``faithfulness.md``."""
+    rows: list[dict[str, Any]] = []
+    ladder_rows: list[dict[str, Any]] = []
+    problems: dict[str, dict[str, str]] = {}
+    header = []
+    for run, folder in enumerate(runs):
+        rows += read_rows(folder / "faithfulness.csv", run)
+        ladder_rows += read_rows(folder / "ladder.csv", run)
+        if (folder / "problems.json").exists():
+            for model, found in json.loads((folder / "problems.json").read_text()).items():
+                problems.setdefault(model, {}).update(found)
+        first = (folder / "faithfulness.md").read_text().splitlines()[:2]
+        header += [f"Run {run}: {first[0]}", f"{first[1]}", ""]
+    write_tables(out, rows, ladder_rows, problems)
+    text = "\n".join(header) + summary(rows, problems) + "\n" + ladder_table(ladder_rows)
+    (out / "faithfulness.md").write_text(text + "\n")
+    return text
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("faithfulness-results"))
@@ -632,7 +688,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--windows", type=int, default=8, help="windows per domain and model")
     parser.add_argument("--ladder", type=int, default=1, help="decoder windows in the ladder")
     parser.add_argument("--quick", action="store_true", help="one model, 8 tokens, 1 window")
+    parser.add_argument(
+        "--pick", type=int, nargs="+", help="run only these windows (0-based) of the layout"
+    )
+    parser.add_argument(
+        "--merge", type=Path, nargs="+", help="write the tables of these runs' --out folders"
+    )
     args = parser.parse_args(argv)
+    if args.merge:
+        text = merged(args.merge, args.out)
+        print(text)
+        return
     if args.quick:
         args.models, args.tokens, args.windows, args.ladder = ["smollm2-135m"], 8, 1, 1
     torch.set_num_threads(1)
@@ -658,19 +724,16 @@ def main(argv: list[str] | None = None) -> None:
         targets, ladders, problems[name] = run_model(name, args, peers, log)
         rows += rows_of(targets)
         ladder_rows += ladders
-        for path, table in (("faithfulness.csv", rows), ("ladder.csv", ladder_rows)):
-            if table:
-                with (args.out / path).open("w", newline="") as handle:
-                    writer = csv.DictWriter(handle, fieldnames=list(table[0]))
-                    writer.writeheader()
-                    writer.writerows(table)
+        write_tables(args.out, rows, ladder_rows, problems)
         header = [
             f"`{' '.join(['python', 'benchmarks/faithfulness.py', *(argv or sys.argv[1:])])}`, "
             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
             f"{platform.machine()} {platform.system()}, one thread, "
             f"{time.perf_counter() - start:.0f} s; "
             + ", ".join(f"{k} {v}" for k, v in versions.items()),
-            f"Windows of {args.tokens} tokens, {args.windows} per domain; fractions "
+            f"Windows of {args.tokens} tokens, {args.windows} per domain"
+            + (f" (windows {args.pick} of them)" if args.pick is not None else "")
+            + "; fractions "
             f"{FRACTIONS}; captum IG: zero baseline, {IG_STEPS} steps.",
             "",
         ]
