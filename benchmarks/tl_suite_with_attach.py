@@ -21,7 +21,8 @@ The installed ``tl_connwalk`` is shadowed by this checkout's (``--package``).
     python benchmarks/tl_suite_with_attach.py --tl-source /tmp/transformer_lens-3.9.0 \\
         --out /tmp/tl_suite tests/unit/test_activation_cache.py tests/unit/model_bridge
 
-Exit status 0 when every test has the same outcome in the three runs. The same file is the
+``--modes plain attach`` runs only the first two (two thirds of the time). Exit status 0 when
+every test has the same outcome in the runs made. The same file is the
 pytest plugin of the runs (``-p tl_suite_with_attach``, mode from ``TL_CONNWALK_SUITE_MODE``).
 """
 
@@ -192,6 +193,7 @@ def main() -> int:
         "--package", type=Path, default=Path(__file__).resolve().parents[1] / "tl_connwalk"
     )
     parser.add_argument("--exitfirst", action="store_true")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     shadow = args.out / "shadow"
@@ -199,16 +201,16 @@ def main() -> int:
     link = shadow / "tl_connwalk"
     link.unlink(missing_ok=True)
     link.symlink_to(args.package.resolve())
-    runs = {mode: _run(mode, args, shadow) for mode in MODES}
+    runs = {mode: _run(mode, args, shadow) for mode in args.modes}
     for mode, outcomes in runs.items():
         counts = collections.Counter(outcomes.values())
         print(f"{mode:7s} {len(outcomes)} tests: {dict(sorted(counts.items()))}")
         if mode != "plain":
             print(f"        models: {_attach_summary(args.out / f'{mode}-attach.jsonl')}")
     names = sorted(set().union(*runs.values()))
-    differing = [n for n in names if len({runs[m].get(n, "absent") for m in MODES}) > 1]
+    differing = [n for n in names if len({runs[m].get(n, "absent") for m in runs}) > 1]
     for name in differing:
-        print("DIFFERS", name, {m: runs[m].get(name, "absent") for m in MODES})
+        print("DIFFERS", name, {m: runs[m].get(name, "absent") for m in runs})
     print(f"{len(differing)} of {len(names)} tests differ")
     return 1 if differing else 0
 
