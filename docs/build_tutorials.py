@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TUTORIALS = ROOT / "tutorials"
 OUT = ROOT / "docs" / "tutorials"
 #: the page around a view's HTML (a self-contained <div>: it loads nothing from anywhere)
+#: how a view's notebook HTML begins (`tl_connwalk.views.page.View.fragment`)
+VIEW_MARKER = '<div class="cwv"'
 VIEW_PAGE = (
     '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"></head>\n<body>{}</body></html>\n'
 )
@@ -66,14 +68,16 @@ def render(notebook: nbformat.NotebookNode, name: str, figures: Path) -> str:
                     png = figures / f"{name}_{n_figures}.png"
                     png.write_bytes(base64.b64decode(data["image/png"]))
                     parts.append(f"![Figure {n_figures} of {name}]({png.name})\n")
-                elif "text/html" in data:  # a view: one self-contained <div>, on its own page
-                    n_views += 1
+                elif "text/html" in data and data["text/html"].startswith(VIEW_MARKER):
+                    n_views += 1  # a view: one self-contained <div>, framed on its own page
                     page = figures / f"{name}_view_{n_views}.html"
                     page.write_text(VIEW_PAGE.format(data["text/html"]), encoding="utf-8")
                     parts.append(
                         f'<iframe src="{page.name}" title="View {n_views} of {name}" '
                         'width="100%" height="720" style="border: 0"></iframe>\n'
                     )
+                elif "text/html" in data:  # a table or other HTML: inline, as Jupyter shows it
+                    parts.append(data["text/html"].rstrip() + "\n")
                 elif "text/markdown" in data:
                     parts.append(data["text/markdown"].rstrip() + "\n")
                 elif "text/plain" in data:

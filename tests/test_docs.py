@@ -226,6 +226,25 @@ def test_render_tutorial_writes_code_text_and_figures(tmp_path):
         build.render(notebook, "09_demo", tmp_path)
 
 
+def test_render_tutorial_frames_views_and_inlines_other_html(tmp_path):
+    nbformat = pytest.importorskip("nbformat")
+    build = docs_module("build_tutorials")
+    from tl_connwalk.views.page import View
+
+    view = View("walk", "a walk", {"sequences": []}).fragment()
+    table = "<table><tr><td>1</td></tr></table>"
+    outputs = [
+        nbformat.v4.new_output("display_data", data={"text/html": html, "text/plain": "x"})
+        for html in (view, table)
+    ]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x", outputs=outputs)])
+    page = build.render(notebook, "09_demo", tmp_path)
+    assert '<iframe src="09_demo_view_1.html"' in page
+    assert view in (tmp_path / "09_demo_view_1.html").read_text()
+    assert table in page
+    assert not (tmp_path / "09_demo_view_2.html").exists()
+
+
 def test_build_hook_copies_mathjax_and_rejects_remote_scripts(tmp_path):
     if importlib.util.find_spec("jupyter_server_mathjax") is None:
         pytest.skip("jupyter-server-mathjax is installed by `make docs`")
