@@ -6,6 +6,12 @@ with them: one forward pass of ``F`` with gradients and one backward sweep give 
 at once, whatever the number of sources. ``b = F(0)`` is one more forward pass, with the
 embeddings zeroed; ``sum_s c_s + b`` equal to the clean target is checked on every call, so a
 nonlinearity ``F`` failed to freeze cannot pass unnoticed.
+
+Memory: the weights are constants of the graph (no activations kept for weight gradients), the
+target's logit is read from the unembedding's input at its position alone, and in a
+``HookedTransformer`` or ``HookedEncoder`` the backward sweep recomputes one block at a time
+from its input (`FrozenNetwork.recomputing_blocks`), so the graph holds one block's
+activations; each layer's edge shares are written as soon as its pattern's gradient is made.
 """
 
 import dataclasses
@@ -107,7 +113,9 @@ def connection(
     ``A^h_ij dy/dA^h_ij = g_i . A^h_ij (v^h_j W_O^h)`` (spec §6).
     """
     model = frozen.model
-    leaves = {name: value.detach().requires_grad_(True) for name, value in frozen.embeddings.items()}
+    leaves = {
+        name: value.detach().requires_grad_(True) for name, value in frozen.embeddings.items()
+    }
     # the layers whose patterns ran before the target (all, but for a target inside the network)
     names = [name for name in pattern_hooks(model) if name in frozen.frozen]
     batch, n_pos = frozen.tokens.shape

@@ -316,11 +316,10 @@ class FrozenNetwork:
         the backward pass may come after. ``HookedTransformer`` and ``HookedEncoder`` only:
         a ``TransformerBridge`` (its blocks wrap Hugging Face's) and an ``F`` that stops
         inside the network (``stop_at``) keep the whole graph."""
-        blocks = getattr(self.model, "blocks", None)
-        if self.stop_at is not None or is_bridge(self.model) or not hasattr(self.model, "hooks"):
+        if self.stop_at is not None or is_bridge(self.model):
             yield
             return
-        assert isinstance(blocks, nn.ModuleList)  # every HookedRootModule model has its blocks
+        blocks: nn.ModuleList = self.model.blocks  # type: ignore[assignment]
 
         def contexts() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
             hooks = self.hooks(embeddings, {}, overrides)
@@ -411,7 +410,8 @@ def constant_weights(model: nn.Module) -> Iterator[None]:
 def _with_hooks(model: nn.Module, hooks: list[tuple[str, HookFn]]) -> Iterator[None]:
     """``model``'s forward passes run with ``hooks`` inside (removed on exit), its weights
     constant (`constant_weights`)."""
-    with warnings.catch_warnings(), constant_weights(model), model.hooks(fwd_hooks=hooks):  # type: ignore[operator]
+    hooked: Any = model
+    with warnings.catch_warnings(), constant_weights(model), hooked.hooks(fwd_hooks=hooks):
         # a Bridge's native-norm path warns that an edited hook_scale changes its rounding
         warnings.filterwarnings("ignore", message=".*edited hook_scale")
         yield
