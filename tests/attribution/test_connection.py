@@ -124,6 +124,38 @@ def test_leaves_no_hook_and_changes_nothing(gpt2):
     assert not gpt2.unembed._forward_pre_hooks
 
 
+def _unchanged(model: Any, untrained: torch.nn.Parameter) -> None:
+    """No block keeps a forward of its own; every weight requires gradients as before."""
+    assert not any("forward" in vars(block) for block in model.blocks)
+    assert not untrained.requires_grad
+    others = [parameter for parameter in model.parameters() if parameter is not untrained]
+    assert all(parameter.requires_grad for parameter in others)
+
+
+def test_restores_blocks_and_weights_even_on_error(gpt2):
+    """The frozen network's backward pass recomputes each block and treats the weights as
+    constants; afterwards, or after an error in its forward pass, the model is as it was
+    (a weight the user set not to require gradients included)."""
+    untrained = next(iter(gpt2.parameters()))
+    untrained.requires_grad_(False)
+    try:
+        result = tl_connwalk.attribute(gpt2, tokens())
+        _unchanged(gpt2, untrained)
+        assert_exact(result.scores.sum(-1) + result.bias, result.target_value, result)
+
+        def fail_with_gradients(activation: torch.Tensor, hook: Any) -> None:
+            if torch.is_grad_enabled():  # the frozen network's forward pass, not the clean run
+                raise RuntimeError("failed inside the frozen network")
+
+        gpt2.add_hook("blocks.1.hook_resid_mid", fail_with_gradients, is_permanent=True)
+        with pytest.raises(RuntimeError, match="inside the frozen network"):
+            tl_connwalk.attribute(gpt2, tokens())
+        _unchanged(gpt2, untrained)
+    finally:
+        gpt2.reset_hooks(including_permanent=True)
+        untrained.requires_grad_(True)
+
+
 def test_text_input(gpt2):
     if not hasattr(gpt2, "tokenizer") or gpt2.tokenizer is None:
         gpt2 = cached_bridge("gpt2", False)

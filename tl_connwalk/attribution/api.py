@@ -145,7 +145,9 @@ def attribute(
     embedding of position ``s``), and ``scores[b, s] = F(only e_s) - F(no embeddings)``,
     ``bias[b] = F(no embeddings)``, ``scores.sum(-1) + bias == target_value`` (the model's
     own output). It costs one clean run, one forward and backward pass of ``F`` and one
-    forward pass for the bias, however many sources there are.
+    forward pass for the bias, however many sources there are; on a ``HookedTransformer`` or
+    ``HookedEncoder`` the backward pass recomputes each block (one more forward pass of
+    ``F``), so that memory holds one block's activations at a time.
 
     Args:
         model: a TransformerLens ``HookedTransformer``, ``HookedEncoder`` (a masked position's

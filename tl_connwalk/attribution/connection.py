@@ -6,6 +6,12 @@ with them: one forward pass of ``F`` with gradients and one backward sweep give 
 at once, whatever the number of sources. ``b = F(0)`` is one more forward pass, with the
 embeddings zeroed; ``sum_s c_s + b`` equal to the clean target is checked on every call, so a
 nonlinearity ``F`` failed to freeze cannot pass unnoticed.
+
+Memory: the weights are constants of the graph (no activations kept for weight gradients), the
+target's logit is read from the unembedding's input at its position alone, and in a
+``HookedTransformer`` or ``HookedEncoder`` the backward sweep recomputes one block at a time
+from its input (`FrozenNetwork.recomputing_blocks`), so the graph holds one block's
+activations; each layer's edge shares are written as soon as its pattern's gradient is made.
 """
 
 import dataclasses
@@ -22,6 +28,7 @@ from tl_connwalk.attribution import targets
 from tl_connwalk.attribution.frozen import (
     FrozenNetwork,
     config,
+    constant_weights,
     final_resid_hook,
     pattern_hooks,
 )
@@ -62,21 +69,29 @@ def evaluate(
     final: dict[str, Tensor] = {}
     name = targets.read_at(target, frozen.model)
     taps = {**taps, name: lambda x: final.__setitem__("resid", x)}
-    with frozen.unembedding_input() as seen:
-        frozen.run(embeddings, taps, overrides)
-    y, gain = targets.read(
-        target,
-        frozen.model.unembed,  # type: ignore[arg-type]
-        seen[-1] if seen else None,
-        final["resid"],
-        _soft_cap(frozen.model),
-        cap_gain,
-    )
+    with constant_weights(frozen.model):
+        with frozen.unembedding_input() as seen:
+            frozen.run(embeddings, taps, overrides)
+        y, gain = targets.read(
+            target,
+            frozen.model.unembed,  # type: ignore[arg-type]
+            seen[-1] if seen else None,
+            final["resid"],
+            _soft_cap(frozen.model),
+            cap_gain,
+        )
     return y, gain, final["resid"]
 
 
-def _check_complete(y: Tensor, scores: Tensor, bias: Tensor, clean: Tensor) -> None:
-    rtol = COMPLETENESS_RTOL.get(y.dtype, 5e-2)
+def _edge_share(out: Tensor, pattern: Tensor) -> None:
+    """``A dy/dA`` of one layer's pattern leaf into ``out``; the leaf's gradient is freed."""
+    assert pattern.grad is not None  # called once the gradient is accumulated
+    torch.mul(pattern.grad, pattern.detach(), out=out)
+    pattern.grad = None
+
+
+def _check_complete(scores: Tensor, bias: Tensor, clean: Tensor) -> None:
+    rtol = COMPLETENESS_RTOL.get(scores.dtype, 5e-2)
     scale = scores.abs().sum(-1) + bias.abs() + clean.abs()
     gap = (scores.sum(-1) + bias - clean).abs()
     if (gap > rtol * scale).any():
@@ -97,37 +112,35 @@ def connection(
     The edges come from the same sweep: ``y`` is linear in each layer's frozen pattern, so
     ``A^h_ij dy/dA^h_ij = g_i . A^h_ij (v^h_j W_O^h)`` (spec §6).
     """
+    model = frozen.model
     leaves = {
-        name: value.detach().clone().requires_grad_(True)
-        for name, value in frozen.embeddings.items()
+        name: value.detach().requires_grad_(True) for name, value in frozen.embeddings.items()
     }
     # the layers whose patterns ran before the target (all, but for a target inside the network)
-    patterns = {
-        name: frozen.frozen[name] for name in pattern_hooks(frozen.model) if name in frozen.frozen
-    }
-    pattern_leaves = {
-        name: value.detach().clone().requires_grad_(True) for name, value in patterns.items()
-    }
+    names = [name for name in pattern_hooks(model) if name in frozen.frozen]
+    batch, n_pos = frozen.tokens.shape
+    edges = frozen.embeddings[next(iter(leaves))].new_zeros(
+        _n_layers(model), batch, int(config(model).n_heads), n_pos, n_pos
+    )
+    pattern_leaves = {name: frozen.frozen[name].detach().requires_grad_(True) for name in names}
+    for layer, name in enumerate(pattern_hooks(model)):
+        if name in pattern_leaves:
+            # each layer's share is made as soon as its gradient is, and the gradient freed
+            pattern_leaves[name].register_post_accumulate_grad_hook(
+                functools.partial(_edge_share, edges[layer])
+            )
     with torch.enable_grad():
-        y, cap_gain, _ = evaluate(frozen, target, leaves, {}, overrides=pattern_leaves)
-        grads = torch.autograd.grad(
-            y.sum(), [*leaves.values(), *pattern_leaves.values()], allow_unused=True
-        )
+        with frozen.recomputing_blocks(leaves, pattern_leaves):
+            y, cap_gain, _ = evaluate(frozen, target, leaves, {}, overrides=pattern_leaves)
+        torch.autograd.backward(y.sum(), inputs=[*leaves.values(), *pattern_leaves.values()])
     scores = torch.zeros_like(frozen.tokens, dtype=y.dtype)
-    for grad, value in zip(grads, leaves.values(), strict=False):
-        if grad is not None:
-            scores = scores + (grad * value).sum(-1)
+    for leaf in leaves.values():
+        if leaf.grad is not None:
+            scores = scores + (leaf.grad * leaf.detach()).sum(-1)
     with torch.no_grad():
         zero = {name: torch.zeros_like(value) for name, value in frozen.embeddings.items()}
         bias, _, _ = evaluate(frozen, target, zero, {}, cap_gain)
-    _check_complete(y.detach(), scores, bias, clean)
-    batch, n_pos = frozen.tokens.shape
-    none = scores.new_zeros(batch, int(config(frozen.model).n_heads), n_pos, n_pos)
-    shares = {
-        name: none if grad is None else pattern * grad
-        for (name, pattern), grad in zip(patterns.items(), grads[len(leaves) :], strict=True)
-    }
-    edges = torch.stack([shares.get(name, none) for name in pattern_hooks(frozen.model)])
+    _check_complete(scores, bias, clean)
     return Connection(
         scores.detach(),
         bias,

@@ -21,16 +21,19 @@ neither run nor freeze.
 """
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 from jaxtyping import Int
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from tl_connwalk.adapters.hooked_transformer import is_encoder
+from tl_connwalk.adapters.versions import is_bridge
 from tl_connwalk.errors import ConnWalkError
 
 #: the hook points whose outputs are the input embeddings, wherever a model class has them
@@ -302,11 +305,52 @@ class FrozenNetwork:
         return hooks
 
     @contextmanager
+    def recomputing_blocks(
+        self, embeddings: Mapping[str, Tensor], overrides: Mapping[str, Tensor] | None = None
+    ) -> Iterator[None]:
+        """Inside, a forward pass of ``F`` (`run` with these ``embeddings`` and ``overrides``)
+        through ``model.blocks`` keeps only each block's inputs for a backward pass, which
+        recomputes one block at a time with ``F``'s hooks (activation checkpointing,
+        `torch.utils.checkpoint`): a graph through ``F`` then holds the activations of one
+        block, not of every layer. Each block's ``forward`` is restored on exit, even on error;
+        the backward pass may come after. ``HookedTransformer`` and ``HookedEncoder`` only:
+        a ``TransformerBridge`` (its blocks wrap Hugging Face's) and an ``F`` that stops
+        inside the network (``stop_at``) keep the whole graph."""
+        if self.stop_at is not None or is_bridge(self.model):
+            yield
+            return
+        blocks: nn.ModuleList = self.model.blocks  # type: ignore[assignment]
+
+        def contexts() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+            hooks = self.hooks(embeddings, {}, overrides)
+            return constant_weights(self.model), _with_hooks(self.model, hooks)
+
+        wrapped: list[nn.Module] = []
+        try:
+            for block in blocks:
+                if "forward" not in vars(block):  # a forward set on the block itself stays
+                    block.forward = functools.partial(
+                        checkpoint, block.forward, use_reentrant=False, context_fn=contexts
+                    )
+                    wrapped.append(block)
+            yield
+        finally:
+            for block in wrapped:
+                del block.forward
+
+    @contextmanager
     def unembedding_input(self) -> Iterator[list[Tensor]]:
-        """Collects what the unembedding reads (the normalised final residual) in a list."""
+        """Collects what the unembedding reads (the normalised final residual) in a list and
+        stops the forward pass there: a target reads its logits from that input at its own
+        position (`targets.read`), so the logits of every position are never made."""
         seen: list[Tensor] = []
+
+        def stop(module: nn.Module, args: tuple[Tensor, ...]) -> None:
+            seen.append(args[0])
+            raise _Stop
+
         unembed: nn.Module = self.model.unembed  # type: ignore[assignment]
-        handle = unembed.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+        handle = unembed.register_forward_pre_hook(stop)
         try:
             yield seen
         finally:
@@ -345,6 +389,32 @@ class FrozenNetwork:
             self.tokens.repeat(repeat, 1), fwd_hooks=hooks, **mask_kwargs(self.model, mask)
         )
         return logits
+
+
+@contextmanager
+def constant_weights(model: nn.Module) -> Iterator[None]:
+    """The model's parameters as constants of autograd inside the block (``requires_grad``
+    off, restored after, even on error): a graph built through the model then keeps only
+    what gradients with respect to activations need, no activations for weight gradients."""
+    trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    for parameter in trained:
+        parameter.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for parameter in trained:
+            parameter.requires_grad_(True)
+
+
+@contextmanager
+def _with_hooks(model: nn.Module, hooks: list[tuple[str, HookFn]]) -> Iterator[None]:
+    """``model``'s forward passes run with ``hooks`` inside (removed on exit), its weights
+    constant (`constant_weights`)."""
+    hooked: Any = model
+    with warnings.catch_warnings(), constant_weights(model), hooked.hooks(fwd_hooks=hooks):
+        # a Bridge's native-norm path warns that an edited hook_scale changes its rounding
+        warnings.filterwarnings("ignore", message=".*edited hook_scale")
+        yield
 
 
 def mask_kwargs(model: nn.Module, attention_mask: Tensor | None) -> dict[str, Tensor]:

@@ -18,9 +18,10 @@ from typing import Any, Literal
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from tl_connwalk.attribution import sae
-from tl_connwalk.attribution.frozen import final_resid_hook
+from tl_connwalk.attribution.frozen import constant_weights, final_resid_hook
 from tl_connwalk.errors import ConnWalkError
 
 #: what ``attribute(target=...)`` accepts
@@ -284,7 +285,13 @@ def read(
     rows = torch.arange(target.position.shape[0], device=activation.device)
     if unembed_input is None:
         raise ConnWalkError("the model's unembedding did not run; no logit can be read.")
-    logits = unembed(unembed_input[rows, target.position][:, None])[:, 0]
+    # recomputed in a backward pass, so that a graph through it keeps no copy of ``W_U``
+    logits = checkpoint(
+        unembed,
+        unembed_input[rows, target.position][:, None],
+        use_reentrant=False,
+        context_fn=lambda: (constant_weights(unembed), constant_weights(unembed)),
+    )[:, 0]
     assert target.token is not None  # a logit kind
     ids = torch.stack([target.token, target.token if target.other is None else target.other], 1)
     picked = logits.gather(1, ids.to(logits.device))
