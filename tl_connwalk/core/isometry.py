@@ -35,6 +35,7 @@ from tl_connwalk.core._fast.edges import (
     folded_edge_gram_defects,
     gram_defect_means,
     gram_means,
+    stacked_gram_means,
 )
 from tl_connwalk.core._fast.grams import (
     fold_pairs,
@@ -121,6 +122,7 @@ __all__ = [
     "random_baselines",
     "random_head_factors",
     "scale_factors",
+    "stacked_gram_means",
     "walk_weighted_cv",
     "walk_weighted_mean",
     "working_dtype",
