@@ -17,7 +17,13 @@ from torch import Tensor
 
 from tl_connwalk.core import field_defect, isometry, laplacian, markov, padding
 from tl_connwalk.core import walk as core_walk
-from tl_connwalk.core.caches import HeadGrams, LayerDraws, head_grams, layer_draws
+from tl_connwalk.core.caches import (
+    HeadGrams,
+    LayerDraws,
+    head_grams,
+    layer_draws,
+    stacked_draw_message_grams,
+)
 from tl_connwalk.core.isometry import RandomBaseline
 from tl_connwalk.core.laplacian import NearestOperatorDistance
 from tl_connwalk.errors import ConnWalkError
@@ -312,18 +318,25 @@ def laplacian_residuals(
         raise ConnWalkError(f"memos must give one Memo per walk: {len(memos)} for {len(walks)}.")
     if not walks:
         return []
-    chosen = None if heads is None else core_walk.check_heads(heads, walks[0].n_heads)
-    parts = [
-        _Parts(walk, memo, chosen, exclude_sink, edges, mass_share, baseline_draws, seed)
+    chosen = None
+    for walk in walks:
+        chosen = None if heads is None else core_walk.check_heads(heads, walk.n_heads)
+    resolved = [
+        _of_heads(walk, chosen, memo)
         for walk, memo in zip(walks, memos or [None] * len(walks), strict=True)
     ]
-    measured = _grouped(parts, lambda group: _stacked_means(group, query_chunk))
+    _LayerTerms.stack_message_grams(
+        [memo.terms(walk) for walk, memo in resolved], baseline_draws, seed
+    )
+    parts = [
+        _Parts(walk, memo, exclude_sink, edges, mass_share, baseline_draws, seed)
+        for walk, memo in resolved
+    ]
+    measured = _grouped(parts, lambda group: _stacked_means(group, mu, alpha, query_chunk))
     return [
         _finished(
             part,
             means,
-            mu=mu,
-            alpha=alpha,
             exclude_sink=exclude_sink,
             edges=edges,
             chosen=chosen,
@@ -345,17 +358,14 @@ class _Parts:
     def __init__(
         self,
         walk: MeasuredWalk,
-        memo: Memo | None,
-        chosen: tuple[int, ...] | None,
+        memo: Memo,
         exclude_sink: bool,
         edges: padding.EdgeMask | None,
         mass_share: float | None,
         n_draws: int,
         seed: int,
     ) -> None:
-        if chosen is not None:
-            core_walk.check_heads(chosen, walk.n_heads)
-        self.walk, self.memo = _of_heads(walk, chosen, memo)
+        self.walk, self.memo = walk, memo
         W = self.walk.walk
         self.W, self.g = W, self.walk.gates
         self.scoped, self.drop_sink = padding.scope(
@@ -390,7 +400,7 @@ class _Parts:
         return (
             self.g.shape, self.g.dtype, X.shape, X.dtype, self.message_grams.dtype,
             self.K2.shape, self.K2.dtype, self.g.device, self.terms.rank, self.drop_sink,
-            self.scoped is None, self.kept is None,
+            self.scoped is None, self.kept is None, self.walk.attention_mask is None,
         )  # fmt: skip
 
 
@@ -409,11 +419,14 @@ def _grouped(
 
 
 class _Means(NamedTuple):
-    """One walk's stacked results: per family (the layer, then its draws) and sequence."""
+    """One walk's stacked results: per family (the layer, then its draws) and sequence, and
+    its Markov conditions."""
 
     transport: Float[Tensor, "family batch"]
     scale: Float[Tensor, "family batch"]
     fields: Float[Tensor, "family batch"]
+    reversibility: markov.ReversibilityResidual
+    stochasticity: Float[Tensor, " batch"]
 
 
 def _stacked(tensors: Sequence[Tensor]) -> Tensor:
@@ -428,8 +441,14 @@ def _stacked_masks(masks: Sequence[Tensor | None]) -> Tensor | None:
     return _stacked(present) if present else None
 
 
-def _stacked_means(parts: list[_Parts], query_chunk: int | None) -> list[_Means]:
-    """The transport and field defects of stackable walks' families, in one pass each."""
+def _stacked_means(
+    parts: list[_Parts],
+    mu: Float[Tensor, "batch pos"] | markov.MuOption,
+    alpha: float,
+    query_chunk: int | None,
+) -> list[_Means]:
+    """The transport and field defects of stackable walks' families, in one pass each, and
+    their Markov conditions with the walks side by side as one batch."""
     first = parts[0]
     W, g = _stacked([p.W for p in parts]), _stacked([p.g for p in parts])
     masks = _stacked_masks([p.scoped if p.kept is None else p.kept for p in parts])
@@ -446,15 +465,33 @@ def _stacked_means(parts: list[_Parts], query_chunk: int | None) -> list[_Means]
         exclude_sink=first.drop_sink, query_chunk=query_chunk,
         edges=None if scoped is None else scoped.flatten(0, 1),
     ).unflatten(1, (len(parts), -1))  # fmt: skip
-    return [_Means(means.defect[k], means.scale[k], fields[:, k]) for k in range(len(parts))]
+    positions = _stacked_masks([p.walk.attention_mask for p in parts])
+    positions = None if positions is None else positions.flatten(0, 1)
+    walks = W.flatten(0, 1)
+    given = mu.repeat(len(parts), 1) if isinstance(mu, Tensor) else mu
+    reversibility = markov.reversibility_residual(walks, given, alpha=alpha, positions=positions)
+    stochasticity = markov.stochasticity_residual(walks, positions=positions).view(len(parts), -1)
+    batch = first.W.shape[0]
+    return [
+        _Means(
+            means.defect[k],
+            means.scale[k],
+            fields[:, k],
+            markov.ReversibilityResidual(
+                reversibility.residual[k * batch : (k + 1) * batch],
+                reversibility.mu[k * batch : (k + 1) * batch],
+                reversibility.mu_kind[k * batch : (k + 1) * batch],
+            ),
+            stochasticity[k],
+        )
+        for k in range(len(parts))
+    ]
 
 
 def _finished(
     part: _Parts,
     means: _Means,
     *,
-    mu: Float[Tensor, "batch pos"] | markov.MuOption,
-    alpha: float,
     exclude_sink: bool,
     edges: padding.EdgeMask | None,
     chosen: tuple[int, ...] | None,
@@ -468,7 +505,7 @@ def _finished(
     walk, terms, W, g = part.walk, part.terms, part.W, part.g
     positions, scoped, drop_sink = walk.attention_mask, part.scoped, part.drop_sink
     X, W_V, W_O = terms.field, terms.W_V, terms.W_O
-    reversibility = markov.reversibility_residual(W, mu, alpha=alpha, positions=positions)
+    reversibility = means.reversibility
     pairing = markov.pairing_residual(
         W, g, W_V, W_O, exclude_sink=drop_sink, query_chunk=query_chunk, edges=scoped
     )
@@ -496,7 +533,7 @@ def _finished(
         )
     scale = unit_scale / terms.factor
     return LaplacianResidual(
-        stochasticity=markov.stochasticity_residual(W, positions=positions),
+        stochasticity=means.stochasticity,
         reversibility=reversibility.residual,
         mu=reversibility.mu,
         mu_kind=reversibility.mu_kind,
@@ -605,17 +642,62 @@ class _LayerTerms:
         self.rank = isometry.effective_rank(self.W_V, self.W_O, walk.kv_heads)
         self._draws: dict[tuple[int, int], LayerDraws] = {}
         self._draw_grams: dict[tuple[int, int], Tensor] = {}
+        self._message_grams: Tensor | None = None
 
     @functools.cached_property
     def heads(self) -> HeadGrams:
         """``K2``, folded ``K4``, head norms and defects: computed once per set of weights."""
         return head_grams(self.W_V, self.W_O)
 
-    @functools.cached_property
+    @property
     def message_grams(self) -> Tensor:
-        return field_defect.message_grams(
-            self.field, self.W_V, self.W_O, out_rows=self.heads.out_rows
-        )
+        """`field_defect.message_grams` of the field (made on first use)."""
+        if self._message_grams is None:
+            self._message_grams = field_defect.message_grams(
+                self.field, self.W_V, self.W_O, out_rows=self.heads.out_rows
+            )
+        return self._message_grams
+
+    @staticmethod
+    def stack_message_grams(terms: Sequence["_LayerTerms"], n_draws: int, seed: int) -> None:
+        """Make the message Grams of each walk's field and of its ``(n_draws, seed)`` draws
+        that ``terms`` lack, stacked over the walks of one head shape, dtype and field shape
+        whose output-Gram rows are kept (`field_defect.stacked_message_grams`,
+        `tl_connwalk.core.caches.stacked_draw_message_grams`): one batched product per block
+        of keys and head for all of them. Padded walks and wide heads are left to
+        `message_grams` and `draw_message_grams`, one walk at a time.
+        """
+        groups: dict[tuple[object, ...], list[_LayerTerms]] = {}
+        for term in terms:
+            if term.positions is None and term.heads.out_rows is not None:
+                shapes = (
+                    term.field.shape, term.field.dtype, term.W_V.shape, term.W_O.shape,
+                    term.W_V.dtype, term.W_V.device, term.kv_heads,
+                )  # fmt: skip
+                groups.setdefault(shapes, []).append(term)
+        for group in groups.values():
+            if len(group) < 2:
+                continue
+            own = [term for term in group if term._message_grams is None]
+            if own:
+                out_rows = [term.heads.out_rows for term in own]
+                grams = field_defect.stacked_message_grams(
+                    torch.stack([term.field for term in own]),
+                    torch.stack([term.W_V.permute(1, 0, 2) for term in own]).flatten(2),
+                    own[0].W_V.shape[0],
+                    torch.stack([rows for rows in out_rows if rows is not None]),
+                )
+                for term, gram in zip(own, grams, strict=True):
+                    term._message_grams = gram
+            key = (n_draws, seed)
+            drawn = [term for term in group if key not in term._draw_grams]
+            if drawn:
+                grams = stacked_draw_message_grams(
+                    [term.layer_draws(n_draws, seed) for term in drawn],
+                    torch.stack([term.field for term in drawn]),
+                )
+                for term, gram in zip(drawn, grams, strict=True):
+                    term._draw_grams[key] = gram
 
     def layer_draws(self, n_draws: int, seed: int) -> LayerDraws:
         """`tl_connwalk.core.caches.layer_draws` of the (unit-scaled) weights."""

@@ -264,7 +264,7 @@ def gram_means(
     >>> means.defect.shape, means.scale.shape
     (torch.Size([1, 1]), torch.Size([1, 1]))
     """
-    if K2.ndim != 3 or pair_gram.ndim != 3:
+    if K2.ndim != 3 or pair_gram.ndim != 3 or K2.shape[0] != pair_gram.shape[0]:
         raise ConnWalkError(
             f"K2 {tuple(K2.shape)} and pair_gram {tuple(pair_gram.shape)} must be "
             "[family, head, head] and [family, pair, pair] with the same families."
