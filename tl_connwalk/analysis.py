@@ -118,6 +118,12 @@ def geometry_table(
     ``heads`` (the walk of those heads alone, the same heads in every layer; the ``head``
     rows are those heads) scope every walk-weighted column and the drift.
 
+    The layers are measured in groups with their work stacked
+    (`ConnectionWalk.laplacian_residuals`: the operations, on a GPU the kernel launches, grow
+    little with the number of layers): as many layers at once as hold
+    ``_fast.chunks.CHUNK_ENTRIES`` numbers of gates and fields (at least one), so memory
+    holds a group's walks, one stacked copy of them and the next layer's walk.
+
     >>> table = tl_connwalk.geometry_table(cache, progress=False)
     >>> table[table["head"] == "all"][["layer", "transport_defect", "transport_defect_baseline"]]
        layer  transport_defect  transport_defect_baseline
@@ -158,8 +164,9 @@ def geometry_table(
 
     bar = tqdm(total=len(chosen), desc="geometry", disable=not progress)
     # the layers measured together (`ConnectionWalk.laplacian_residuals`: their per-edge work
-    # stacked): as many as hold CHUNK_ENTRIES numbers of gates, at least one
-    per_layer = walk_of(chosen[0]).gates.numel() if chosen else 1
+    # stacked): as many as hold CHUNK_ENTRIES numbers of gates and fields, at least one
+    first = walk_of(chosen[0]) if chosen else None
+    per_layer = 1 if first is None else first.gates.numel() + first.field.numel()
     for group in query_chunks(len(chosen), per_layer):
         group_layers = chosen[group]
         for layer in [*walks]:  # no longer needed: keep memory at the group and the next layer
