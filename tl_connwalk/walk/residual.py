@@ -427,6 +427,7 @@ class _Means(NamedTuple):
     fields: Float[Tensor, "family batch"]
     reversibility: markov.ReversibilityResidual
     stochasticity: Float[Tensor, " batch"]
+    head_fields: Float[Tensor, "batch head"]
 
 
 def _stacked(tensors: Sequence[Tensor]) -> Tensor:
@@ -447,30 +448,36 @@ def _stacked_means(
     alpha: float,
     query_chunk: int | None,
 ) -> list[_Means]:
-    """The transport and field defects of stackable walks' families, in one pass each, and
-    their Markov conditions with the walks side by side as one batch."""
-    first = parts[0]
+    """The transport defects of stackable walks' families in one pass over their stacked
+    gates; the field defects (of the families, and per head), the Markov conditions with the
+    walks side by side as one batch of sequences."""
+    first, count = parts[0], len(parts)
     W, g = _stacked([p.W for p in parts]), _stacked([p.g for p in parts])
     masks = _stacked_masks([p.scoped if p.kept is None else p.kept for p in parts])
     means = isometry.stacked_gram_means(
         W, g, _stacked([p.K2 for p in parts]), _stacked([p.pair_gram for p in parts]),
-        first.terms.rank, exclude_sink=first.drop_sink,
-        edges=masks, query_chunk=query_chunk,
+        first.terms.rank, exclude_sink=first.drop_sink, edges=masks, query_chunk=query_chunk,
     )  # fmt: skip
-    # the field defects per sequence: the walks side by side are one batch of sequences
+    # the walks side by side: [stack batch ...] as [(stack batch) ...]
     scoped = _stacked_masks([p.scoped for p in parts])
+    edges = None if scoped is None else scoped.flatten(0, 1)
+    X = _stacked([p.terms.field for p in parts]).flatten(0, 1)
+    walks, gates = W.flatten(0, 1), g.flatten(0, 1)
     fields = field_defect.field_isometry_defects(
-        _stacked([p.terms.field for p in parts]).flatten(0, 1), W.flatten(0, 1),
-        g.flatten(0, 1), torch.cat([p.message_grams for p in parts], dim=1),
-        exclude_sink=first.drop_sink, query_chunk=query_chunk,
-        edges=None if scoped is None else scoped.flatten(0, 1),
-    ).unflatten(1, (len(parts), -1))  # fmt: skip
+        X, walks, gates, torch.cat([p.message_grams for p in parts], dim=1),
+        exclude_sink=first.drop_sink, query_chunk=query_chunk, edges=edges,
+    ).unflatten(1, (count, -1))  # fmt: skip
+    # given the message Grams, the weights only fix the shapes and the dtype (the group's)
+    heads = field_defect.head_field_isometry_defects(
+        X, walks, gates, first.terms.W_V, first.terms.W_O, exclude_sink=first.drop_sink,
+        query_chunk=query_chunk, grams=torch.cat([p.terms.message_grams for p in parts]),
+        edges=edges,
+    ).unflatten(0, (count, -1))  # fmt: skip
     positions = _stacked_masks([p.walk.attention_mask for p in parts])
     positions = None if positions is None else positions.flatten(0, 1)
-    walks = W.flatten(0, 1)
-    given = mu.repeat(len(parts), 1) if isinstance(mu, Tensor) else mu
+    given = mu.repeat(count, 1) if isinstance(mu, Tensor) else mu
     reversibility = markov.reversibility_residual(walks, given, alpha=alpha, positions=positions)
-    stochasticity = markov.stochasticity_residual(walks, positions=positions).view(len(parts), -1)
+    stochasticity = markov.stochasticity_residual(walks, positions=positions).view(count, -1)
     batch = first.W.shape[0]
     return [
         _Means(
@@ -483,8 +490,9 @@ def _stacked_means(
                 reversibility.mu_kind[k * batch : (k + 1) * batch],
             ),
             stochasticity[k],
+            heads[k],
         )
-        for k in range(len(parts))
+        for k in range(count)
     ]
 
 
@@ -504,7 +512,7 @@ def _finished(
     """One walk's `LaplacianResidual` from its stacked results and the rest of its work."""
     walk, terms, W, g = part.walk, part.terms, part.W, part.g
     positions, scoped, drop_sink = walk.attention_mask, part.scoped, part.drop_sink
-    X, W_V, W_O = terms.field, terms.W_V, terms.W_O
+    W_V, W_O = terms.W_V, terms.W_O
     reversibility = means.reversibility
     pairing = markov.pairing_residual(
         W, g, W_V, W_O, exclude_sink=drop_sink, query_chunk=query_chunk, edges=scoped
@@ -543,17 +551,7 @@ def _finished(
         pairing_applicable=pairing.applicable,
         head_defects=grams.head_defects,
         field_defect=fields[0],
-        head_field_defects=field_defect.head_field_isometry_defects(
-            X,
-            W,
-            g,
-            W_V,
-            W_O,
-            exclude_sink=drop_sink,
-            query_chunk=query_chunk,
-            grams=terms.message_grams,
-            edges=scoped,
-        ),
+        head_field_defects=means.head_fields,
         baseline={
             name: RandomBaseline(values.to(isometry.working_dtype(values)))
             for name, values in baseline.items()

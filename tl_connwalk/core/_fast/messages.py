@@ -261,9 +261,10 @@ def _value_grams(
         return grams
     gram_rows = row_blocks(out_rows.to(rows_like), n_heads, d_head)
     grams = None
-    # per row and copy: its values, and one head's pair forms (at most H d_head) at a time;
-    # every draw and sequence of a block in the same product (a loop over heads only)
-    for block in query_chunks(n_rows, copies * 4 * 2 * n_heads * d_head):
+    # per row and copy: its values, one head's pair forms and their product with the values
+    # (each at most H d_head) at a time, within the chunk budget: every draw, sequence and
+    # stacked layer of a block in the same product (a loop over heads only)
+    for block in query_chunks(n_rows, copies * 3 * n_heads * d_head):
         v = values_of(block).unflatten(-1, (n_heads, d_head))
         if grams is None:
             grams = v.new_empty(*v.shape[:-3], n_rows, n_heads, n_heads)
