@@ -16,7 +16,7 @@ from transformer_lens import ActivationCache
 
 from tl_connwalk.cache import connection_walk, n_layers_of, walk_matrix
 from tl_connwalk.core import markov, padding
-from tl_connwalk.core._fast.chunks import query_chunks
+from tl_connwalk.core.isometry import query_chunks
 from tl_connwalk.core.walk import check_heads
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.walk import ConnectionWalk

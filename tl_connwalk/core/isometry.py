@@ -26,7 +26,12 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from tl_connwalk.core import value_heads
-from tl_connwalk.core._fast.chunks import CHUNK_ENTRIES, DEVICE_BLOCK_ENTRIES, EDGE_BLOCK
+from tl_connwalk.core._fast.chunks import (
+    CHUNK_ENTRIES,
+    DEVICE_BLOCK_ENTRIES,
+    EDGE_BLOCK,
+    query_chunks,
+)
 from tl_connwalk.core._fast.edges import (
     GramMeans,
     edge_frobenius_scales,
@@ -118,6 +123,7 @@ __all__ = [
     "heaviest_edges",
     "in_memory_order",
     "isometry_defect",
+    "query_chunks",
     "random_baseline",
     "random_baselines",
     "random_head_factors",
