@@ -16,6 +16,7 @@ from transformer_lens import ActivationCache
 
 from tl_connwalk.cache import connection_walk, n_layers_of, walk_matrix
 from tl_connwalk.core import markov, padding
+from tl_connwalk.core.isometry import query_chunks
 from tl_connwalk.core.walk import check_heads
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.walk import ConnectionWalk
@@ -117,6 +118,12 @@ def geometry_table(
     ``heads`` (the walk of those heads alone, the same heads in every layer; the ``head``
     rows are those heads) scope every walk-weighted column and the drift.
 
+    The layers are measured in groups with their work stacked
+    (`ConnectionWalk.laplacian_residuals`: the operations, on a GPU the kernel launches, grow
+    little with the number of layers): as many layers at once as hold
+    ``_fast.chunks.CHUNK_ENTRIES`` numbers of gates and fields (at least one), so memory
+    holds a group's walks, one stacked copy of them and the next layer's walk.
+
     >>> table = tl_connwalk.geometry_table(cache, progress=False)
     >>> table[table["head"] == "all"][["layer", "transport_defect", "transport_defect_baseline"]]
        layer  transport_defect  transport_defect_baseline
@@ -138,37 +145,55 @@ def geometry_table(
             walks[layer] = walk
         return walks[layer]
 
-    for layer in tqdm(chosen, desc="geometry", disable=not progress):
-        walk = walk_of(layer)
-        walks.pop(layer - 1, None)  # no longer needed: keep memory at two layers
-        if residuals is not None and layer in residuals:
-            res = residuals[layer]
-            if (
-                res.exclude_sink != exclude_sink
-                or res.edges_masked != (edges is not None)
-                or res.heads != names.get(layer)
-            ):
-                raise ConnWalkError(
-                    f"residuals[{layer}] has exclude_sink={res.exclude_sink}, "
-                    f"{'an' if res.edges_masked else 'no'} edge mask and heads={res.heads}, the "
-                    f"table exclude_sink={exclude_sink}, {'an' if edges is not None else 'no'} "
-                    f"edge mask and heads={names.get(layer)}: pass residuals measured the same "
-                    "way."
+    def given(layer: int) -> LaplacianResidual | None:
+        if residuals is None or layer not in residuals:
+            return None
+        res = residuals[layer]
+        if (
+            res.exclude_sink != exclude_sink
+            or res.edges_masked != (edges is not None)
+            or res.heads != names.get(layer)
+        ):
+            raise ConnWalkError(
+                f"residuals[{layer}] has exclude_sink={res.exclude_sink}, "
+                f"{'an' if res.edges_masked else 'no'} edge mask and heads={res.heads}, the "
+                f"table exclude_sink={exclude_sink}, {'an' if edges is not None else 'no'} "
+                f"edge mask and heads={names.get(layer)}: pass residuals measured the same way."
+            )
+        return res
+
+    bar = tqdm(total=len(chosen), desc="geometry", disable=not progress)
+    # the layers measured together (`ConnectionWalk.laplacian_residuals`: their per-edge work
+    # stacked): as many as hold CHUNK_ENTRIES numbers of gates and fields, at least one
+    first = walk_of(chosen[0]) if chosen else None
+    per_layer = 1 if first is None else first.gates.numel() + first.field.numel()
+    for group in query_chunks(len(chosen), per_layer):
+        group_layers = chosen[group]
+        for layer in [*walks]:  # no longer needed: keep memory at the group and the next layer
+            if layer not in group_layers:
+                walks.pop(layer)
+        found = {layer: given(layer) for layer in group_layers}
+        measure = [layer for layer in group_layers if found[layer] is None]
+        measured = ConnectionWalk.laplacian_residuals(
+            [walk_of(layer) for layer in measure], exclude_sink=exclude_sink, edges=edges,
+            baseline_draws=baseline_draws, seed=seed,
+        )  # fmt: skip
+        results = {layer: res for layer, res in found.items() if res is not None}
+        results |= dict(zip(measure, measured, strict=True))
+        for layer in group_layers:
+            walk = walk_of(layer)
+            drift = None
+            if layer + 1 < n_layers:
+                following = walk_of(layer + 1)
+                drift = _drift(
+                    (walk.walk, walk.attention_mask, layer),
+                    (following.walk, following.attention_mask, layer + 1),
+                    exclude_sink,
+                    edges,
                 )
-        else:
-            res = walk.laplacian_residual(
-                exclude_sink=exclude_sink, edges=edges, baseline_draws=baseline_draws, seed=seed
-            )
-        drift = None
-        if layer + 1 < n_layers:
-            following = walk_of(layer + 1)
-            drift = _drift(
-                (walk.walk, walk.attention_mask, layer),
-                (following.walk, following.attention_mask, layer + 1),
-                exclude_sink,
-                edges,
-            )
-        rows += _layer_rows(layer, res, drift, names.get(layer))
+            rows += _layer_rows(layer, results[layer], drift, names.get(layer))
+            bar.update()
+    bar.close()
     return pd.DataFrame(rows)
 
 

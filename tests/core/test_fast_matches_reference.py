@@ -541,12 +541,10 @@ def test_every_draw_and_sequence_at_once_matches_the_reference_one_by_one(dtype,
     outputs = torch.randn(draws, heads, d_head, d_model, generator=gen, dtype=F64)
     if side == "W_O":  # one W_O shared by the draws
         outputs = outputs[:1].expand(draws, -1, -1, -1)
-        given = outputs[0]
+        given = {"W_O": outputs[0].to(dtype)}
     else:
-        given = torch.stack([out_rows(W_O) for W_O in outputs])[:, None]
-    got = fast_messages.stacked_factored_grams(
-        factor.to(dtype), values.to(dtype), heads, given.to(dtype)
-    )
+        given = {"out_rows": torch.stack([out_rows(W_O) for W_O in outputs]).to(dtype)}
+    got = fast_messages.stacked_factored_grams(factor.to(dtype), values.to(dtype), heads, **given)
     assert got.shape == (draws, seqs, keys, heads, heads)
     for d in range(draws):
         W_V = values[d].view(keys, heads, d_head).permute(1, 0, 2)  # keys' values per head

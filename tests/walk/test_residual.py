@@ -124,3 +124,54 @@ def test_exact_nearest_operator_is_reported_and_sampled_when_large(walk):
     assert "sampled edges" in repr(sampled)
     json.dumps(sampled.to_dict())
     assert walk.laplacian_residual(baseline_draws=2).nearest_operator is None
+
+
+def _tensors(value, prefix=""):
+    """Every tensor of a `LaplacianResidual` (baselines included), by name."""
+    if isinstance(value, torch.Tensor):
+        return {prefix: value}
+    if isinstance(value, dict):
+        return {
+            key: tensor
+            for name, item in value.items()
+            for key, tensor in _tensors(item, f"{prefix}.{name}").items()
+        }
+    fields = getattr(value, "__dataclass_fields__", None)
+    if fields is None:
+        return {}
+    return {
+        key: tensor
+        for name in fields
+        for key, tensor in _tensors(getattr(value, name), f"{prefix}.{name}").items()
+    }
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "bert"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"exclude_sink": True}, {"mass_share": 0.9}, {"heads": [0, 2]},
+     {"edges": lambda q, k: k <= q - 1}, {"mu": "teleport", "query_chunk": 2}, {"pos": 20}],
+    ids=["plain", "sink", "mass", "heads", "edges", "teleport", "more_keys_than_d_model"],
+)  # fmt: skip
+def test_stacked_layers_measure_as_each_layer_alone(arch, options):
+    """`ConnectionWalk.laplacian_residuals` (every layer's per-edge work, message Grams and
+    Markov conditions stacked) gives each layer's `laplacian_residual` of the walk alone;
+    with more keys than ``d_model`` the field draws take each draw's ``R_V``, not the keys'
+    route."""
+    options = dict(options)
+    model = random_bridge(arch, n_layers=3, d_model=16, n_heads=4, n_ctx=32)
+    _, cache = model.run_with_cache(tokens(batch=2, pos=options.pop("pos", 6)))
+    walks = [tl_connwalk.connection_walk(cache, layer) for layer in range(3)]
+    stacked = tl_connwalk.ConnectionWalk.laplacian_residuals(walks, baseline_draws=3, **options)
+    for layer, res in enumerate(stacked):
+        alone = tl_connwalk.connection_walk(cache, layer).laplacian_residual(
+            baseline_draws=3, **options
+        )
+        assert res.layer == layer and res.mu_kind == alone.mu_kind
+        got, want = _tensors(res), _tensors(alone)
+        assert got.keys() == want.keys()
+        for name, value in want.items():
+            if value.is_floating_point():
+                assert_close(got[name], value, terms=walks[0].walk.shape[-1] ** 2)
+            else:
+                assert torch.equal(got[name], value), name

@@ -89,11 +89,12 @@ def gaussian_factors(
 
 
 def draw_scales(
-    target_sq: Float[Tensor, " head"], drawn_sq: Float[Tensor, "*draw head"]
-) -> Float[Tensor, "*draw head"]:
+    target_sq: Float[Tensor, "*target head"], drawn_sq: Float[Tensor, "*draw head"]
+) -> Float[Tensor, "*scale head"]:
     """``s_h = ||T^h||_F / ||R^h||_F`` from the squared norms: ``s_h R^h`` has ``T^h``'s norm.
 
-    0 where the draw ``R^h`` is 0; ``drawn_sq`` may hold several draws (leading axes).
+    0 where the draw ``R^h`` is 0; ``drawn_sq`` may hold several draws (leading axes), and
+    ``target_sq`` several targets (leading axes that broadcast against the draws').
     `random_head_factors` puts ``s_h`` on the factors (`scale_factors`).
     """
     target, drawn = target_sq.clamp_min(0.0).sqrt(), drawn_sq.clamp_min(0.0).sqrt()

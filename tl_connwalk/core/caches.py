@@ -12,7 +12,8 @@ batch and prompt of a model shares it (docs/performance.md, "Caches"):
 
 Results never depend on them: a cleared cache is filled again with the same numbers. The
 stores themselves are private (``tl_connwalk.core._fast``); `head_grams` and `layer_draws`
-are the two cached terms a layer's measurements read (`tl_connwalk.walk.residual`).
+are the two cached terms a layer's measurements read (`tl_connwalk.walk.residual`), and
+`stacked_draw_message_grams` the field baselines of several layers' draws at once.
 
 >>> import tl_connwalk
 >>> sorted(tl_connwalk.caches())[0]
@@ -24,7 +25,7 @@ are the two cached terms a layer's measurements read (`tl_connwalk.walk.residual
 
 from tl_connwalk.core._fast import draws, lru, quartic
 from tl_connwalk.core._fast import head_grams as _head_grams
-from tl_connwalk.core._fast.draws import LayerDraws, layer_draws
+from tl_connwalk.core._fast.draws import LayerDraws, layer_draws, stacked_draw_message_grams
 from tl_connwalk.core._fast.head_grams import HeadGrams, head_grams
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "clear_caches",
     "head_grams",
     "layer_draws",
+    "stacked_draw_message_grams",
 ]
 
 CacheInfo = lru.CacheInfo

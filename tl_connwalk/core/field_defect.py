@@ -31,6 +31,7 @@ from tl_connwalk.core._fast.messages import (
     message_grams,
     output_gram_rows,
     output_gram_rows_numel,
+    stacked_message_grams,
 )
 from tl_connwalk.core.checks import check_chunk, check_flag, check_walk_nonnegative, working_dtype
 from tl_connwalk.core.moments import Moments
@@ -48,6 +49,7 @@ __all__ = [
     "message_norm_ratios",
     "output_gram_rows",
     "output_gram_rows_numel",
+    "stacked_message_grams",
 ]
 
 

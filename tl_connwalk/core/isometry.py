@@ -26,7 +26,12 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from tl_connwalk.core import value_heads
-from tl_connwalk.core._fast.chunks import CHUNK_ENTRIES, DEVICE_BLOCK_ENTRIES, EDGE_BLOCK
+from tl_connwalk.core._fast.chunks import (
+    CHUNK_ENTRIES,
+    DEVICE_BLOCK_ENTRIES,
+    EDGE_BLOCK,
+    query_chunks,
+)
 from tl_connwalk.core._fast.edges import (
     GramMeans,
     edge_frobenius_scales,
@@ -35,6 +40,7 @@ from tl_connwalk.core._fast.edges import (
     folded_edge_gram_defects,
     gram_defect_means,
     gram_means,
+    stacked_gram_means,
 )
 from tl_connwalk.core._fast.grams import (
     fold_pairs,
@@ -117,10 +123,12 @@ __all__ = [
     "heaviest_edges",
     "in_memory_order",
     "isometry_defect",
+    "query_chunks",
     "random_baseline",
     "random_baselines",
     "random_head_factors",
     "scale_factors",
+    "stacked_gram_means",
     "walk_weighted_cv",
     "walk_weighted_mean",
     "working_dtype",

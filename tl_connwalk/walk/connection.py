@@ -314,6 +314,19 @@ class ConnectionWalk:
         """
         return residual.laplacian_residual(self, memo=self._memo, **options)
 
+    @staticmethod
+    def laplacian_residuals(
+        walks: Sequence["ConnectionWalk"], **options: Any
+    ) -> list[residual.LaplacianResidual]:
+        """`laplacian_residual` of several walks with the same options, their per-edge work
+        stacked (`tl_connwalk.walk.residual.laplacian_residuals`); each walk keeps what
+        another call on it can reuse, as with its own `laplacian_residual`.
+
+        >>> [r.layer for r in ConnectionWalk.laplacian_residuals([walk, walk])]
+        [0, 0]
+        """
+        return residual.laplacian_residuals(walks, memos=[walk._memo for walk in walks], **options)
+
     def isometry_defects(
         self,
         kind: residual.DefectKind = "gram",

@@ -8,8 +8,8 @@ frozen and typed, and ``to_dict()`` gives plain floats and lists for JSON.
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping, Sequence
-from typing import Literal, Protocol, runtime_checkable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Literal, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from jaxtyping import Bool, Float
@@ -17,7 +17,13 @@ from torch import Tensor
 
 from tl_connwalk.core import field_defect, isometry, laplacian, markov, padding
 from tl_connwalk.core import walk as core_walk
-from tl_connwalk.core.caches import HeadGrams, LayerDraws, head_grams, layer_draws
+from tl_connwalk.core.caches import (
+    HeadGrams,
+    LayerDraws,
+    head_grams,
+    layer_draws,
+    stacked_draw_message_grams,
+)
 from tl_connwalk.core.isometry import RandomBaseline
 from tl_connwalk.core.laplacian import NearestOperatorDistance
 from tl_connwalk.errors import ConnWalkError
@@ -268,62 +274,262 @@ def laplacian_residual(
     >>> res.transport_defect.shape, res.baseline["transport_defect"].mean.shape
     (torch.Size([2]), torch.Size([2]))
     """
+    return laplacian_residuals(
+        [walk], mu=mu, alpha=alpha, exclude_sink=exclude_sink, edges=edges, heads=heads,
+        baseline_draws=baseline_draws, seed=seed, exact=exact, max_edges=max_edges,
+        mass_share=mass_share, query_chunk=query_chunk, memos=[memo],
+    )[0]  # fmt: skip
+
+
+def laplacian_residuals(
+    walks: Sequence[MeasuredWalk],
+    *,
+    mu: Float[Tensor, "batch pos"] | markov.MuOption = "stationary",
+    alpha: float = 0.85,
+    exclude_sink: bool = False,
+    edges: padding.EdgeMask | None = None,
+    heads: Sequence[int] | None = None,
+    baseline_draws: int = 8,
+    seed: int = 0,
+    exact: bool = False,
+    max_edges: int | None = 4096,
+    mass_share: float | None = None,
+    query_chunk: int | None = None,
+    memos: Sequence[Memo | None] | None = None,
+) -> list[LaplacianResidual]:
+    """`laplacian_residual` of several walks (the layers of a cache, say), with the same
+    options, each walk's result as it alone gives up to rounding.
+
+    The per-edge work of walks of one shape runs stacked: the transport defects of every walk
+    and its draws in one pass over the stacked gates (`isometry.stacked_gram_means`), the field
+    defects with the walks side by side as one batch. So the number of tensor operations (on
+    a GPU, kernel launches) grows little with the number of walks; memory holds one stacked
+    copy of the walks' patterns and gates: pass as many walks as that allows
+    (`tl_connwalk.analysis.geometry_table` passes the layers whose gates fit
+    ``_fast.chunks.CHUNK_ENTRIES`` numbers). ``memos``: each walk's `Memo` (``None``: a
+    fresh one).
+    """
     if baseline_draws < 2:
         raise ConnWalkError(
             f"baseline_draws must be >= 2 (a spread needs two), got {baseline_draws}."
         )
     isometry.check_flag(exclude_sink, "exclude_sink")
-    chosen = None if heads is None else core_walk.check_heads(heads, walk.n_heads)
-    walk, memo = _of_heads(walk, chosen, memo)
-    W, g = walk.walk, walk.gates
-    positions = walk.attention_mask
-    scoped, drop_sink = padding.scope(positions, edges, exclude_sink, W.shape, W.device)
-    terms = memo.terms(walk)
-    X, W_V, W_O = terms.field, terms.W_V, terms.W_O
-    reversibility = markov.reversibility_residual(W, mu, alpha=alpha, positions=positions)
+    if memos is not None and len(memos) != len(walks):
+        raise ConnWalkError(f"memos must give one Memo per walk: {len(memos)} for {len(walks)}.")
+    if not walks:
+        return []
+    chosen = None
+    for walk in walks:
+        chosen = None if heads is None else core_walk.check_heads(heads, walk.n_heads)
+    resolved = [
+        _of_heads(walk, chosen, memo)
+        for walk, memo in zip(walks, memos or [None] * len(walks), strict=True)
+    ]
+    _LayerTerms.stack_message_grams(
+        [memo.terms(walk) for walk, memo in resolved], baseline_draws, seed
+    )
+    parts = [
+        _Parts(walk, memo, exclude_sink, edges, mass_share, baseline_draws, seed)
+        for walk, memo in resolved
+    ]
+    measured = _grouped(parts, lambda group: _stacked_means(group, mu, alpha, query_chunk))
+    return [
+        _finished(
+            part,
+            means,
+            exclude_sink=exclude_sink,
+            edges=edges,
+            chosen=chosen,
+            exact=exact,
+            max_edges=max_edges,
+            mass_share=mass_share,
+            seed=seed,
+            query_chunk=query_chunk,
+        )
+        for part, means in zip(parts, measured, strict=True)
+    ]
+
+
+class _Parts:
+    """What the stacked per-edge work needs of one walk: its walk and gates, the edges its
+    summaries keep, and its families (the layer, then its draws) as head Grams and as
+    message Grams."""
+
+    def __init__(
+        self,
+        walk: MeasuredWalk,
+        memo: Memo,
+        exclude_sink: bool,
+        edges: padding.EdgeMask | None,
+        mass_share: float | None,
+        n_draws: int,
+        seed: int,
+    ) -> None:
+        self.walk, self.memo = walk, memo
+        W = self.walk.walk
+        self.W, self.g = W, self.walk.gates
+        self.scoped, self.drop_sink = padding.scope(
+            self.walk.attention_mask, edges, exclude_sink, W.shape, W.device
+        )
+        self.terms = self.memo.terms(self.walk)
+        self.kept, self.covered = None, None
+        if mass_share is not None:
+            considered = W
+            if self.scoped is not None:
+                considered = torch.where(self.scoped, W, 0.0)
+            elif self.drop_sink:
+                considered = W.clone()
+                considered[:, :, 0] = 0.0
+            selected = isometry.heaviest_edges(considered, mass_share)
+            self.covered = isometry.covered_mass_share(considered, selected)
+            # share 1 keeps every edge: the all-edge path itself, not a gathered copy of it
+            self.kept = None if mass_share >= 1.0 else selected
+        grams = self.terms.heads
+        # the layer and its random draws (shared by every layer of this shape) as one family
+        # each, by their head Grams and by their message Grams
+        self.rand = self.terms.layer_draws(n_draws, seed)
+        self.K2 = torch.cat([grams.K2[None], self.rand.K2])
+        self.pair_gram = torch.cat([grams.pair_gram[None], self.rand.pair_gram])
+        self.message_grams = torch.cat(
+            [self.terms.message_grams[None], self.terms.draw_message_grams(n_draws, seed)]
+        )
+
+    def key(self) -> tuple[object, ...]:
+        """Walks with equal keys stack: the same shapes, dtypes, device, rank and masking."""
+        X = self.terms.field
+        return (
+            self.g.shape, self.g.dtype, X.shape, X.dtype, self.message_grams.dtype,
+            self.K2.shape, self.K2.dtype, self.g.device, self.terms.rank, self.drop_sink,
+            self.scoped is None, self.kept is None, self.walk.attention_mask is None,
+        )  # fmt: skip
+
+
+def _grouped(
+    parts: list[_Parts], measure: Callable[[list["_Parts"]], list["_Means"]]
+) -> list["_Means"]:
+    """``measure`` of each group of parts with equal `_Parts.key`, results in ``parts``'
+    order."""
+    groups: dict[tuple[object, ...], list[int]] = {}
+    for index, part in enumerate(parts):
+        groups.setdefault(part.key(), []).append(index)
+    results: dict[int, _Means] = {}
+    for indices in groups.values():
+        results.update(zip(indices, measure([parts[i] for i in indices]), strict=True))
+    return [results[index] for index in range(len(parts))]
+
+
+class _Means(NamedTuple):
+    """One walk's stacked results: per family (the layer, then its draws) and sequence, and
+    its Markov conditions."""
+
+    transport: Float[Tensor, "family batch"]
+    scale: Float[Tensor, "family batch"]
+    fields: Float[Tensor, "family batch"]
+    reversibility: markov.ReversibilityResidual
+    stochasticity: Float[Tensor, " batch"]
+    head_fields: Float[Tensor, "batch head"]
+
+
+def _stacked(tensors: Sequence[Tensor]) -> Tensor:
+    """``torch.stack``, without a copy for one tensor."""
+    return tensors[0][None] if len(tensors) == 1 else torch.stack(list(tensors))
+
+
+def _stacked_masks(masks: Sequence[Tensor | None]) -> Tensor | None:
+    """`_stacked` edge masks; ``None`` where the walks have none (a group's walks have a mask
+    each or none: `_Parts.key`)."""
+    present = [mask for mask in masks if mask is not None]
+    return _stacked(present) if present else None
+
+
+def _stacked_means(
+    parts: list[_Parts],
+    mu: Float[Tensor, "batch pos"] | markov.MuOption,
+    alpha: float,
+    query_chunk: int | None,
+) -> list[_Means]:
+    """The transport defects of stackable walks' families in one pass over their stacked
+    gates; the field defects (of the families, and per head), the Markov conditions with the
+    walks side by side as one batch of sequences."""
+    first, count = parts[0], len(parts)
+    W, g = _stacked([p.W for p in parts]), _stacked([p.g for p in parts])
+    masks = _stacked_masks([p.scoped if p.kept is None else p.kept for p in parts])
+    means = isometry.stacked_gram_means(
+        W, g, _stacked([p.K2 for p in parts]), _stacked([p.pair_gram for p in parts]),
+        first.terms.rank, exclude_sink=first.drop_sink, edges=masks, query_chunk=query_chunk,
+    )  # fmt: skip
+    # the walks side by side: [stack batch ...] as [(stack batch) ...]
+    scoped = _stacked_masks([p.scoped for p in parts])
+    edges = None if scoped is None else scoped.flatten(0, 1)
+    X = _stacked([p.terms.field for p in parts]).flatten(0, 1)
+    walks, gates = W.flatten(0, 1), g.flatten(0, 1)
+    fields = field_defect.field_isometry_defects(
+        X, walks, gates, torch.cat([p.message_grams for p in parts], dim=1),
+        exclude_sink=first.drop_sink, query_chunk=query_chunk, edges=edges,
+    ).unflatten(1, (count, -1))  # fmt: skip
+    # given the message Grams, the weights only fix the shapes and the dtype (the group's)
+    heads = field_defect.head_field_isometry_defects(
+        X, walks, gates, first.terms.W_V, first.terms.W_O, exclude_sink=first.drop_sink,
+        query_chunk=query_chunk, grams=torch.cat([p.terms.message_grams for p in parts]),
+        edges=edges,
+    ).unflatten(0, (count, -1))  # fmt: skip
+    positions = _stacked_masks([p.walk.attention_mask for p in parts])
+    positions = None if positions is None else positions.flatten(0, 1)
+    given = mu.repeat(count, 1) if isinstance(mu, Tensor) else mu
+    reversibility = markov.reversibility_residual(walks, given, alpha=alpha, positions=positions)
+    stochasticity = markov.stochasticity_residual(walks, positions=positions).view(count, -1)
+    batch = first.W.shape[0]
+    return [
+        _Means(
+            means.defect[k],
+            means.scale[k],
+            fields[:, k],
+            markov.ReversibilityResidual(
+                reversibility.residual[k * batch : (k + 1) * batch],
+                reversibility.mu[k * batch : (k + 1) * batch],
+                reversibility.mu_kind[k * batch : (k + 1) * batch],
+            ),
+            stochasticity[k],
+            heads[k],
+        )
+        for k in range(count)
+    ]
+
+
+def _finished(
+    part: _Parts,
+    means: _Means,
+    *,
+    exclude_sink: bool,
+    edges: padding.EdgeMask | None,
+    chosen: tuple[int, ...] | None,
+    exact: bool,
+    max_edges: int | None,
+    mass_share: float | None,
+    seed: int,
+    query_chunk: int | None,
+) -> LaplacianResidual:
+    """One walk's `LaplacianResidual` from its stacked results and the rest of its work."""
+    walk, terms, W, g = part.walk, part.terms, part.W, part.g
+    positions, scoped, drop_sink = walk.attention_mask, part.scoped, part.drop_sink
+    W_V, W_O = terms.W_V, terms.W_O
+    reversibility = means.reversibility
     pairing = markov.pairing_residual(
         W, g, W_V, W_O, exclude_sink=drop_sink, query_chunk=query_chunk, edges=scoped
     )
-    kept, covered = None, None
-    if mass_share is not None:
-        considered = W
-        if scoped is not None:
-            considered = torch.where(scoped, W, 0.0)
-        elif drop_sink:
-            considered = W.clone()
-            considered[:, :, 0] = 0.0
-        selected = isometry.heaviest_edges(considered, mass_share)
-        covered = isometry.covered_mass_share(considered, selected)
-        # share 1 keeps every edge: the all-edge path itself, not a gathered copy of it
-        kept = None if mass_share >= 1.0 else selected
     grams = terms.heads
-    K2 = grams.K2
-    # the layer and its random draws (shared by every layer of this shape) as one family each
-    rand = terms.layer_draws(baseline_draws, seed)
-    means = isometry.gram_means(
-        W, g, torch.cat([K2[None], rand.K2]), torch.cat([grams.pair_gram[None], rand.pair_gram]),
-        terms.rank, exclude_sink=drop_sink, edges=scoped if kept is None else kept,
-        query_chunk=query_chunk,
-    )  # fmt: skip
-    transport = means.defect
+    transport = means.transport
     unit_scale = means.scale[0]
-    if kept is not None:  # the scale is over every edge, whatever the mass share
+    if part.kept is not None:  # the scale is over every edge, whatever the mass share
         unit_scale = isometry.walk_weighted_mean(
             W,
-            isometry.edge_frobenius_scales(g, K2, terms.rank, W, query_chunk=query_chunk),
+            isometry.edge_frobenius_scales(g, grams.K2, terms.rank, W, query_chunk=query_chunk),
             exclude_sink=drop_sink,
             edges=scoped,
         )
-
-    # the layer and its draws again as one family each, now by their message Grams
-    message_grams = torch.cat(
-        [terms.message_grams[None], terms.draw_message_grams(baseline_draws, seed)]
-    )
-    fields = field_defect.field_isometry_defects(
-        X, W, g, message_grams, exclude_sink=drop_sink, query_chunk=query_chunk, edges=scoped
-    )
+    fields = means.fields
     baseline = {
-        "head_defects": rand.head_defects,
+        "head_defects": part.rand.head_defects,
         "transport_defect": transport[1:],
         "field_defect": fields[1:],
     }
@@ -335,7 +541,7 @@ def laplacian_residual(
         )
     scale = unit_scale / terms.factor
     return LaplacianResidual(
-        stochasticity=markov.stochasticity_residual(W, positions=positions),
+        stochasticity=means.stochasticity,
         reversibility=reversibility.residual,
         mu=reversibility.mu,
         mu_kind=reversibility.mu_kind,
@@ -345,17 +551,7 @@ def laplacian_residual(
         pairing_applicable=pairing.applicable,
         head_defects=grams.head_defects,
         field_defect=fields[0],
-        head_field_defects=field_defect.head_field_isometry_defects(
-            X,
-            W,
-            g,
-            W_V,
-            W_O,
-            exclude_sink=drop_sink,
-            query_chunk=query_chunk,
-            grams=terms.message_grams,
-            edges=scoped,
-        ),
+        head_field_defects=means.head_fields,
         baseline={
             name: RandomBaseline(values.to(isometry.working_dtype(values)))
             for name, values in baseline.items()
@@ -365,7 +561,7 @@ def laplacian_residual(
         layer=walk.layer,
         processing=walk.processing,
         mass_share=mass_share,
-        mass_covered=covered,
+        mass_covered=part.covered,
         heads=chosen,
         edges_masked=edges is not None,
     )
@@ -444,17 +640,62 @@ class _LayerTerms:
         self.rank = isometry.effective_rank(self.W_V, self.W_O, walk.kv_heads)
         self._draws: dict[tuple[int, int], LayerDraws] = {}
         self._draw_grams: dict[tuple[int, int], Tensor] = {}
+        self._message_grams: Tensor | None = None
 
     @functools.cached_property
     def heads(self) -> HeadGrams:
         """``K2``, folded ``K4``, head norms and defects: computed once per set of weights."""
         return head_grams(self.W_V, self.W_O)
 
-    @functools.cached_property
+    @property
     def message_grams(self) -> Tensor:
-        return field_defect.message_grams(
-            self.field, self.W_V, self.W_O, out_rows=self.heads.out_rows
-        )
+        """`field_defect.message_grams` of the field (made on first use)."""
+        if self._message_grams is None:
+            self._message_grams = field_defect.message_grams(
+                self.field, self.W_V, self.W_O, out_rows=self.heads.out_rows
+            )
+        return self._message_grams
+
+    @staticmethod
+    def stack_message_grams(terms: Sequence["_LayerTerms"], n_draws: int, seed: int) -> None:
+        """Make the message Grams of each walk's field and of its ``(n_draws, seed)`` draws
+        that ``terms`` lack, stacked over the walks of one head shape, dtype and field shape
+        whose output-Gram rows are kept (`field_defect.stacked_message_grams`,
+        `tl_connwalk.core.caches.stacked_draw_message_grams`): one batched product per block
+        of keys and head for all of them. Padded walks and wide heads are left to
+        `message_grams` and `draw_message_grams`, one walk at a time.
+        """
+        groups: dict[tuple[object, ...], list[_LayerTerms]] = {}
+        for term in terms:
+            if term.positions is None and term.heads.out_rows is not None:
+                shapes = (
+                    term.field.shape, term.field.dtype, term.W_V.shape, term.W_O.shape,
+                    term.W_V.dtype, term.W_V.device, term.kv_heads,
+                )  # fmt: skip
+                groups.setdefault(shapes, []).append(term)
+        for group in groups.values():
+            if len(group) < 2:
+                continue
+            own = [term for term in group if term._message_grams is None]
+            if own:
+                out_rows = [term.heads.out_rows for term in own]
+                grams = field_defect.stacked_message_grams(
+                    torch.stack([term.field for term in own]),
+                    torch.stack([term.W_V.permute(1, 0, 2) for term in own]).flatten(2),
+                    own[0].W_V.shape[0],
+                    torch.stack([rows for rows in out_rows if rows is not None]),
+                )
+                for term, gram in zip(own, grams, strict=True):
+                    term._message_grams = gram
+            key = (n_draws, seed)
+            drawn = [term for term in group if key not in term._draw_grams]
+            if drawn:
+                grams = stacked_draw_message_grams(
+                    [term.layer_draws(n_draws, seed) for term in drawn],
+                    torch.stack([term.field for term in drawn]),
+                )
+                for term, gram in zip(drawn, grams, strict=True):
+                    term._draw_grams[key] = gram
 
     def layer_draws(self, n_draws: int, seed: int) -> LayerDraws:
         """`tl_connwalk.core.caches.layer_draws` of the (unit-scaled) weights."""

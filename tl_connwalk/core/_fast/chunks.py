@@ -53,10 +53,12 @@ def edge_chunks(
 
 
 def edge_block(device: torch.device, rows: QuarticRows) -> int:
-    """Edges per block of `_family_gram_defects`: ``EDGE_BLOCK`` on the CPU; elsewhere as many
-    as fill ``DEVICE_BLOCK_ENTRIES`` numbers of products (``QuarticRows.outputs`` per family and
-    edge), at least ``EDGE_BLOCK``.
+    """Edges per block of `_family_gram_defects`: ``EDGE_BLOCK`` on the CPU (at most as many
+    as keep a block's products, ``QuarticRows.outputs`` per family, stacked problem and edge,
+    within ``CHUNK_ENTRIES`` numbers); elsewhere as many as fill ``DEVICE_BLOCK_ENTRIES``
+    numbers of products, at least ``EDGE_BLOCK``.
     """
+    per_edge = rows.outputs * rows.families * rows.stack
     if device.type == "cpu":
-        return EDGE_BLOCK
-    return max(EDGE_BLOCK, DEVICE_BLOCK_ENTRIES // (rows.outputs * rows.families))
+        return max(1, min(EDGE_BLOCK, CHUNK_ENTRIES // per_edge))
+    return max(EDGE_BLOCK, DEVICE_BLOCK_ENTRIES // per_edge)

@@ -35,7 +35,7 @@ the same alone or in a batch).
 
 import dataclasses
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from einops import einsum, rearrange
@@ -341,34 +341,7 @@ class LayerDraws:
         one batched product where the output-Gram rows are kept. The other sequences go
         through each draw's ``R_V``, one raw draw alive at a time.
         """
-        raw = self.raw
-        n_draws, n_heads = raw.grams.norms_sq.shape
-        grams = field.new_empty(n_draws, *field.shape[:2], n_heads, n_heads)
-        keys = key_factor(field, n_draws, raw.v_shape[0] * raw.v_shape[2])
-        direct: Tensor | None = None  # the sequences through R_V (None: all)
-        if keys is not None:
-            factor, factored = keys
-            if bool(factored.any()):
-                keyed = key_draws(
-                    raw.v_shape, raw.o_shape, raw.dtype, raw.device, raw.seed, n_draws,
-                    factor.shape[1], *_sharing(raw.kv_heads),
-                )  # fmt: skip
-                scale = _outer(isometry.draw_scales(self.norms_sq, keyed.norms_sq))
-                part = _keyed_grams(keyed, raw, factor[factored])
-                grams[:, factored] = part * scale[:, None, None].to(part)
-            direct = ~factored
-        if direct is None or bool(direct.any()):
-            keys_of = field if direct is None else field[direct]
-            for d, (R_V, R_O) in enumerate(raw.factors()):
-                out_rows = None if raw.grams.out_rows is None else raw.grams.out_rows[d]
-                part = field_defect.message_grams(keys_of, R_V, R_O, out_rows=out_rows)
-                del R_V, R_O  # before the next draw is made
-                part = part * _outer(self.scales[d]).to(part)
-                if direct is None:
-                    grams[d] = part
-                else:
-                    grams[d, direct] = part
-        return grams
+        return stacked_draw_message_grams([self], field[None])[0]
 
     def factors(self) -> Iterator[tuple[Tensor, Tensor]]:
         """Each draw's ``(W_V', W_O')``, as `isometry.random_head_factors` returns them."""
@@ -386,6 +359,65 @@ def _outer(scale: Tensor) -> Tensor:
     return scale[..., :, None] * scale[..., None, :]
 
 
+def stacked_draw_message_grams(
+    layers: Sequence["LayerDraws"], field: Float[Tensor, "stack batch key d_model"]
+) -> Float[Tensor, "stack draw batch key head head"]:
+    """`LayerDraws.message_grams` of several layers' draws (one raw draw set: the layers'
+    heads have one shape) on their fields ``field[l]``, at once.
+
+    The layers' sequences go side by side as one batch of sequences through the raw draws
+    (the keys' route or each draw's ``R_V``), each sequence then scaled to its own layer's
+    head norms: the operations do not grow with the number of layers.
+
+    >>> W_V, W_O = torch.randn(2, 16, 4), torch.randn(2, 4, 16)
+    >>> a = layer_draws(W_V, W_O, n_draws=3, seed=0)
+    >>> b = layer_draws(2 * W_V, W_O, n_draws=3, seed=0)
+    >>> stacked_draw_message_grams([a, b], torch.randn(2, 1, 5, 16)).shape
+    torch.Size([2, 3, 1, 5, 2, 2])
+    """
+    raw = layers[0].raw
+    if len(layers) != field.shape[0] or any(layer.raw is not raw for layer in layers):
+        raise ConnWalkError(
+            f"{len(layers)} layers' draws for {field.shape[0]} fields: stacked draws need one "
+            "field per layer and the same raw draws (heads of one shape, one seed)."
+        )
+    n_draws, n_heads = raw.grams.norms_sq.shape
+    stack, batch = field.shape[:2]
+    flat = field.flatten(0, 1)  # the layers' sequences side by side
+    # each sequence's layer, whose head norms its draws take
+    owner = torch.arange(stack, device=field.device).repeat_interleave(batch)
+    grams = flat.new_empty(n_draws, stack * batch, field.shape[2], n_heads, n_heads)
+    keys = key_factor(flat, n_draws, raw.v_shape[0] * raw.v_shape[2])
+    direct: Tensor | None = None  # the sequences through R_V (None: all)
+    if keys is not None:
+        factor, factored = keys
+        if bool(factored.any()):
+            keyed = key_draws(
+                raw.v_shape, raw.o_shape, raw.dtype, raw.device, raw.seed, n_draws,
+                factor.shape[1], *_sharing(raw.kv_heads),
+            )  # fmt: skip
+            norms_sq = torch.stack([layer.norms_sq for layer in layers])
+            scale = _outer(isometry.draw_scales(norms_sq[:, None], keyed.norms_sq))
+            part = _keyed_grams(keyed, raw, factor[factored])
+            grams[:, factored] = part * scale[owner[factored]].transpose(0, 1)[:, :, None].to(part)
+        direct = ~factored
+    if direct is None or bool(direct.any()):
+        keys_of = flat if direct is None else flat[direct]
+        scales = torch.stack([layer.scales for layer in layers])[
+            owner if direct is None else owner[direct]
+        ]
+        for d, (R_V, R_O) in enumerate(raw.factors()):
+            out_rows = None if raw.grams.out_rows is None else raw.grams.out_rows[d]
+            part = field_defect.message_grams(keys_of, R_V, R_O, out_rows=out_rows)
+            del R_V, R_O  # before the next draw is made
+            part = part * _outer(scales[:, d])[:, None].to(part)
+            if direct is None:
+                grams[d] = part
+            else:
+                grams[d, direct] = part
+    return grams.unflatten(1, (stack, batch)).transpose(0, 1)
+
+
 def _keyed_grams(
     keyed: KeyDraws, raw: RawDraws, factor: Float[Tensor, "seq key key"]
 ) -> Float[Tensor, "draw seq key head head"]:
@@ -395,9 +427,9 @@ def _keyed_grams(
     n_heads = raw.v_shape[0]
     if raw.grams.out_rows is not None:
         values = torch.stack(list(keyed.values()))
-        return messages.stacked_factored_grams(factor, values, n_heads, raw.grams.out_rows[:, None])
+        return messages.stacked_factored_grams(factor, values, n_heads, out_rows=raw.grams.out_rows)
     parts = [
-        messages.stacked_factored_grams(factor, Y[None], n_heads, R_O)[0]
+        messages.stacked_factored_grams(factor, Y[None], n_heads, W_O=R_O)[0]
         for Y, (_, R_O) in zip(keyed.values(), raw.factors(), strict=True)
     ]
     return torch.stack(parts)

@@ -49,7 +49,8 @@ def edge_frobenius_sq(
 
 def _family_gram_defects(g: Tensor, rows: QuarticRows, rank: int) -> tuple[Tensor, Tensor]:
     """``eps`` and ``sum sigma^2`` of the edges with gates ``g`` ``[head, edge]``, per family:
-    two ``[family, edge]``.
+    two ``[family, edge]`` (stacked `QuarticRows`: ``[stack, head, edge]`` to two ``[stack,
+    family, edge]``).
 
     The families (`tl_connwalk.core._fast.quartic.quartic_rows`: a layer and its random draws, say)
     share the gates, so each block of edges (`edge_block`) is read once and multiplied by
@@ -60,7 +61,7 @@ def _family_gram_defects(g: Tensor, rows: QuarticRows, rank: int) -> tuple[Tenso
     the quartic monomial by monomial (`tl_connwalk.core._fast.quartic.forms`). Blocks keep the
     temporaries in cache: the work is bound by memory traffic as much as by flops.
     """
-    n_heads = g.shape[0]
+    n_heads = g.shape[-2]
     sigma4, sigma2 = quartic.forms(g, rows, edge_block(g.device, rows))
     sigma2 *= n_heads**2
     sigma4 *= n_heads**4
@@ -74,18 +75,19 @@ def _runs(b: Tensor, batch: int) -> list[int]:
 
 
 def _listed_gates(gates: Tensor, runs: list[int], i: Tensor, j: Tensor) -> Tensor:
-    """The gates ``[batch, head, query, key]`` of the listed edges as ``[head, edge]``.
+    """The gates ``[stack, batch, head, query, key]`` of the listed edges as ``[stack, head,
+    edge]``.
 
     ``runs`` (`_runs`) splits the edges ``(i, j)`` by batch element. One ``index_select`` of
-    each element's ``[head, query key]`` rows: 5x faster than indexing ``[b, :, i, j]`` and
-    transposing.
+    each element's ``[stack, head, query key]`` rows: 5x faster than indexing ``[b, :, i, j]``
+    and transposing.
     """
-    n_heads, n_key = gates.shape[1], gates.shape[3]
+    stack, n_heads, n_key = gates.shape[0], gates.shape[2], gates.shape[4]
     parts = [
-        gates[k].reshape(n_heads, -1).index_select(1, flat)
+        gates[:, k].reshape(stack, n_heads, -1).index_select(2, flat)
         for k, flat in enumerate((i * n_key + j).split(runs))
     ]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
 def _heads_by_edge(gates: Tensor) -> Tensor:
@@ -182,7 +184,7 @@ def _edge_gram_defects(
         check_edges(edges, gates)
         b, i, j = edges.to(gates.device).nonzero(as_tuple=True)
         eps = torch.zeros(edges.shape, dtype=gates.dtype, device=gates.device)
-        listed = _listed_gates(gates, _runs(b, gates.shape[0]), i, j)
+        listed = _listed_gates(gates[None], _runs(b, gates.shape[0]), i, j)[0]
         eps[b, i, j] = _family_gram_defects(listed, families, rank)[0][0]
         return _zero_off_walk(eps, walk)
     batch, n_heads, n_query, n_key = gates.shape
@@ -268,38 +270,95 @@ def gram_means(
             "[family, head, head] and [family, pair, pair] with the same families."
         )
     check_gates(gates, K2.shape[1])
+    means = stacked_gram_means(
+        walk[None], gates[None], K2[None], pair_gram[None], rank, exclude_sink=exclude_sink,
+        edges=None if edges is None else edges[None], query_chunk=query_chunk,
+    )  # fmt: skip
+    return GramMeans(defect=means.defect[0], scale=means.scale[0])
+
+
+def stacked_gram_means(
+    walk: Float[Tensor, "stack batch query key"],
+    gates: Float[Tensor, "stack batch head query key"],
+    K2: Float[Tensor, "stack family head head"],
+    pair_gram: Float[Tensor, "stack family pair pair"],
+    rank: int,
+    *,
+    exclude_sink: bool = False,
+    edges: Bool[Tensor, "stack batch query key"] | None = None,
+    query_chunk: int | None = None,
+) -> GramMeans:
+    """`gram_means` of several stacked walks at once (the layers of a model, say), each with
+    its own gates and families: ``defect`` and ``scale`` ``[stack, family, batch]``.
+
+    The edges of each chunk of rows that carry weight in any of the walks are listed once and
+    every walk's gates of them go through one batched product per range of the quartic forms
+    (`tl_connwalk.core._fast.quartic.forms`): the number of operations does not grow with the
+    number of walks. An edge listed for another walk adds 0 (its weight there is 0). Memory:
+    the stacked inputs plus one chunk (``query_chunk`` rows of every walk; ``None``:
+    ``CHUNK_ENTRIES`` numbers).
+
+    >>> A = torch.softmax(torch.randn(3, 1, 2, 4, 4), -1)
+    >>> from tl_connwalk.core._fast.grams import gram_matrices
+    >>> K2, K4 = gram_matrices(torch.randn(2, 8, 4), torch.randn(2, 4, 8))
+    >>> means = stacked_gram_means(A.mean(2), A / A.sum(2, keepdim=True),
+    ...                            K2.expand(3, 1, 2, 2), fold_pairs(K4).expand(3, 1, 3, 3), 8)
+    >>> means.defect.shape
+    torch.Size([3, 1, 1])
+    """
+    if (
+        K2.ndim != 4
+        or pair_gram.ndim != 4
+        or K2.shape[:2] != pair_gram.shape[:2]
+        or gates.ndim != 5
+        or walk.ndim != 4
+        or gates.shape[0] != K2.shape[0]
+        or walk.shape[0] != K2.shape[0]
+    ):
+        raise ConnWalkError(
+            f"K2 {tuple(K2.shape)}, pair_gram {tuple(pair_gram.shape)}, gates "
+            f"{tuple(gates.shape)} and walk {tuple(walk.shape)} must be [stack, family, head, "
+            "head], [stack, family, pair, pair], [stack, batch, head, query, key] and [stack, "
+            "batch, query key] with the same stack and families."
+        )
+    stack = K2.shape[0]
+    check_gates(gates[0], K2.shape[2])
     check_rank(rank)
     check_chunk(query_chunk)
     gates, K2, pair_gram = cast_gates(gates, K2, pair_gram)
-    weights, rows_with_mass = edge_weights(walk, check_flag(exclude_sink, "exclude_sink"), edges)
-    weights = weights.to(device=gates.device, dtype=gates.dtype)
+    if edges is not None:
+        check_edges(edges.flatten(0, 1), gates.flatten(0, 1))
+    weights, rows_with_mass = edge_weights(
+        walk.flatten(0, 1), check_flag(exclude_sink, "exclude_sink"),
+        None if edges is None else edges.flatten(0, 1),
+    )  # fmt: skip
+    weights = weights.to(device=gates.device, dtype=gates.dtype).view(walk.shape)
     stacked = quartic.quartic_rows(K2, pair_gram)
-    families = K2.shape[0]
-    batch, n_heads, n_query, n_key = gates.shape
-    totals = gates.new_zeros(2, families, batch)  # eps, then the scale
+    families = K2.shape[1]
+    _, batch, n_heads, n_query, n_key = gates.shape
+    totals = gates.new_zeros(2, stack, families, batch)  # eps, then the scale
 
     def scale_of(frobenius_sq: Tensor) -> Tensor:
         return (frobenius_sq.clamp_min(0.0) / rank).sqrt()
 
-    if edges is not None:
-        check_edges(edges, gates)
     # the edges of each chunk of rows that carry weight, listed: no work on the future of a
     # causal walk, on a dropped sink or on edges left out (1.1x faster than whole rows)
-    per_query = batch * n_key * (n_heads + 3 * families + 6)
+    per_query = stack * batch * n_key * (n_heads + 3 * families + 6)
     for rows in query_chunks(n_query, per_query, query_chunk):
-        weight = weights[:, rows]
-        b, i, j = (weight > 0).nonzero(as_tuple=True)
+        weight = weights[:, :, rows]
+        b, i, j = (weight > 0).any(0).nonzero(as_tuple=True)
         if b.numel() == 0:
             continue
         runs = _runs(b, batch)
-        listed = _listed_gates(gates[:, :, rows], runs, i, j)
+        listed = _listed_gates(gates[:, :, :, rows], runs, i, j)
         eps, frobenius_sq = _family_gram_defects(listed, stacked, rank)
         values = torch.stack([eps, scale_of(frobenius_sq)])
         # each batch element's run of edges summed (index_add_ would scatter edge by edge:
         # 0.76 ms a layer at 256 tokens against 0.1)
-        for k, part in enumerate((weight[b, i, j] * values).split(runs, dim=-1)):
-            totals[:, :, k] += part.sum(-1)
-    rows_with_mass = rows_with_mass.to(totals)
+        weighted = weight[:, b, i, j][:, None] * values
+        for k, part in enumerate(weighted.split(runs, dim=-1)):
+            totals[..., k] += part.sum(-1)
+    rows_with_mass = rows_with_mass.to(totals).view(stack, 1, batch)
     means = torch.where(rows_with_mass > 0, totals / rows_with_mass.clamp_min(1.0), 0.0)
     return GramMeans(defect=means[0], scale=means[1])
 

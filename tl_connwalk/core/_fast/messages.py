@@ -171,25 +171,64 @@ def stacked_factored_grams(
     factor: Float[Tensor, "seq row rank"],
     values: Float[Tensor, "draw rank head_d_head"],
     n_heads: int,
-    # the two shapes can both fit a 3-d tensor: no axis of ``side`` binds a name
-    side: Float[Tensor, "_draw 1 _packed"] | Float[Tensor, "_head _d_head _d_model"],
+    *,
+    out_rows: Float[Tensor, "draw packed"] | None = None,
+    W_O: Float[Tensor, "head d_head d_model"] | None = None,
 ) -> Float[Tensor, "draw seq row head head"]:
     """`factored_message_grams` of several sequences' factors and several draws' values at
-    once: ``side`` is each draw's ``out_rows`` (``[draw, 1, packed]``) or one ``W_O`` shared
-    by the draws. One batched product per block of rows, whatever the number of draws and
-    sequences."""
+    once: the output side is each draw's ``out_rows`` (as in `message_grams`) or else one
+    ``W_O`` shared by the draws (one of them, by name). One batched product per block of
+    rows, whatever the number of draws and sequences.
+
+    >>> L, Y, W_O = torch.randn(2, 3, 3).tril(), torch.randn(4, 3, 8), torch.randn(2, 4, 5)
+    >>> stacked_factored_grams(L, Y, 2, W_O=W_O).shape
+    torch.Size([4, 2, 3, 2, 2])
+    """
+    side = out_rows if W_O is None else W_O
+    if side is None or (W_O is not None and out_rows is not None):
+        raise ConnWalkError("stacked_factored_grams needs W_O or out_rows (one of them).")
     dtype = working_dtype(factor, values, side)
     factor, values, side = (t.to(device=factor.device, dtype=dtype) for t in (factor, values, side))
     d_head = values.shape[-1] // max(1, n_heads)
-    packed = side.ndim == 3 and side.shape[1] == 1
     return _value_grams(
         lambda block: einsum(factor[:, block], values, "seq row k, draw k e -> draw seq row e"),
         factor[0],
         (n_heads, d_head),
-        None if packed else side,
-        side if packed else None,
+        None if W_O is None else side,
+        None if W_O is not None else side[:, None],
         copies=values.shape[0] * factor.shape[0],
     )
+
+
+def stacked_message_grams(
+    field: Float[Tensor, "stack batch key d_model"],
+    values: Float[Tensor, "stack d_model head_d_head"],
+    n_heads: int,
+    out_rows: Float[Tensor, "stack packed"],
+) -> Float[Tensor, "stack batch key head head"]:
+    """`message_grams` of several stacked problems at once (the layers of a model, say), each
+    with a field, values ``W_V^cat = [W_V^1 ... W_V^H]`` ``[d_model, H d_head]`` and output
+    Gram rows (`output_gram_rows`) of its own: one batched product per block of keys and
+    head, whatever the number of problems.
+
+    >>> field, W_V, W_O = torch.randn(3, 1, 4, 8), torch.randn(3, 2, 8, 4), torch.randn(3, 2, 4, 8)
+    >>> out_rows = torch.stack([output_gram_rows(einsum(o, o, "a p d, b q d -> a b p q"))
+    ...                         for o in W_O])
+    >>> G = stacked_message_grams(field, W_V.permute(0, 2, 1, 3).flatten(2), 2, out_rows)
+    >>> torch.allclose(G[1], message_grams(field[1], W_V[1], W_O[1]), atol=1e-4)
+    True
+    """
+    dtype = working_dtype(field, values, out_rows)
+    field, values, out_rows = (
+        t.to(device=field.device, dtype=dtype) for t in (field, values, out_rows)
+    )
+    keys = field.flatten(1, 2)  # every problem's sequences' keys, one after another
+    heads = (n_heads, values.shape[-1] // max(1, n_heads))
+    grams = _value_grams(
+        lambda block: keys[:, block] @ values, keys[0], heads, None, out_rows,
+        copies=field.shape[0],
+    )  # fmt: skip
+    return grams.unflatten(1, field.shape[1:3])
 
 
 def _value_grams(
@@ -222,9 +261,10 @@ def _value_grams(
         return grams
     gram_rows = row_blocks(out_rows.to(rows_like), n_heads, d_head)
     grams = None
-    # per row and copy: its values, and one head's pair forms (at most H d_head) at a time;
-    # every draw and sequence of a block in the same product (a loop over heads only)
-    for block in query_chunks(n_rows, copies * 4 * 2 * n_heads * d_head):
+    # per row and copy: its values, one head's pair forms and their product with the values
+    # (each at most H d_head) at a time, within the chunk budget: every draw, sequence and
+    # stacked layer of a block in the same product (a loop over heads only)
+    for block in query_chunks(n_rows, copies * 3 * n_heads * d_head):
         v = values_of(block).unflatten(-1, (n_heads, d_head))
         if grams is None:
             grams = v.new_empty(*v.shape[:-3], n_rows, n_heads, n_heads)

@@ -37,6 +37,7 @@ from einops import rearrange
 from torch import Tensor
 
 from tl_connwalk.core._fast.lru import memoized
+from tl_connwalk.errors import ConnWalkError
 
 #: The cost model of one range's product over a block of edges, in multiply-adds per edge:
 #: a fixed cost per product and one per output row beside the ``rows x columns`` work
@@ -143,7 +144,10 @@ class QuarticRows:
     its row pairs against the column pairs from ``(b0, b0)`` on, rows ``(pair family)``-major,
     or their transpose (one row per column pair) where the range is ``transposed``; the first
     block starts with one row per family of ``k`` (``k_{ac} = K2[a,c] + K2[c,a]``, ``K2[a,a]``
-    on the diagonal), so the same product gives ``s2 = k . u``.
+    on the diagonal), so the same product gives ``s2 = k . u``. Each block has a leading
+    axis of ``stack`` entries: stacked problems (layers, say) with gates of their own, every
+    entry's products in one batched product; ``stacked`` says whether the Grams came with
+    that axis (else it has one entry).
 
     ``gathered`` lists the pair products `forms` gathers in one pass: first the
     ``n_multipliers`` pairs whose products multiply the output rows after ``s2`` (a normal
@@ -159,6 +163,8 @@ class QuarticRows:
     n_multipliers: int
     families: int
     n_heads: int
+    stack: int = 1
+    stacked: bool = False
 
     @property
     def outputs(self) -> int:
@@ -168,15 +174,19 @@ class QuarticRows:
 
 def quartic_rows(K2: Tensor, pair_gram: Tensor) -> QuarticRows:
     """`QuarticRows` of ``K2`` ``[family, H, H]`` and ``pair_gram = fold_pairs(K4)``
-    ``[family, P, P]`` (any square ``F``: only ``(F + F^T) / 2`` counts in ``u^T F u``)."""
-    families, n_heads, n_pairs = K2.shape[0], K2.shape[-1], pair_gram.shape[-1]
+    ``[family, P, P]`` (any square ``F``: only ``(F + F^T) / 2`` counts in ``u^T F u``), or of
+    several stacked problems' ``[stack, family, H, H]`` and ``[stack, family, P, P]``."""
+    stacked = K2.ndim == 4
+    if not stacked:
+        K2, pair_gram = K2[None], pair_gram[None]
+    stack, families, n_heads, n_pairs = *K2.shape[:2], K2.shape[-1], pair_gram.shape[-1]
     rows, source, target = _layout(n_heads, K2.device)
-    coefficients = pair_gram.new_zeros(families, n_pairs * n_pairs)
-    coefficients.index_add_(1, target, pair_gram.reshape(families, -1)[:, source])
-    coefficients = coefficients.view(families, n_pairs, n_pairs)
+    coefficients = pair_gram.new_zeros(stack, families, n_pairs * n_pairs)
+    coefficients.index_add_(2, target, pair_gram.reshape(stack, families, -1)[..., source])
+    coefficients = coefficients.view(stack, families, n_pairs, n_pairs)
     first, second = head_pairs(n_heads, K2.device)
     k = torch.where(
-        first == second, K2[:, first, second], K2[:, first, second] + K2[:, second, first]
+        first == second, K2[..., first, second], K2[..., first, second] + K2[..., second, first]
     )
     ranges = _ranges(n_heads, families)
     blocks, multipliers = [], []
@@ -184,15 +194,15 @@ def quartic_rows(K2: Tensor, pair_gram: Tensor) -> QuarticRows:
     for part in ranges:
         suffix = _suffix_start(n_heads, part.b0)
         row_pairs = rows[part.row_pairs()]
-        block = coefficients[:, row_pairs, suffix:]
+        block = coefficients[..., row_pairs, suffix:]
         if part.transposed:
-            blocks.append(rearrange(block, "family p q -> (q family) p").contiguous())
+            blocks.append(rearrange(block, "s family p q -> s (q family) p").contiguous())
             multipliers.append(torch.arange(suffix, n_pairs, device=K2.device))
             factors.append(row_pairs)
             continue
         if part.b0 == 0:
-            block = torch.cat([k[:, None], block], dim=1)
-        blocks.append(rearrange(block, "family p q -> (p family) q").contiguous())
+            block = torch.cat([k[..., None, :], block], dim=2)
+        blocks.append(rearrange(block, "s family p q -> s (p family) q").contiguous())
         multipliers.append(row_pairs)
         factors.append(None)
     n_multipliers = sum(m.numel() for m in multipliers)
@@ -202,43 +212,59 @@ def quartic_rows(K2: Tensor, pair_gram: Tensor) -> QuarticRows:
         at += 0 if factor is None else factor.numel()
     gathered = torch.cat(multipliers + [f for f in factors if f is not None])
     return QuarticRows(
-        tuple(blocks), ranges, gathered, tuple(inputs), n_multipliers, families, n_heads
-    )
+        tuple(blocks), ranges, gathered, tuple(inputs), n_multipliers, families, n_heads, stack,
+        stacked,
+    )  # fmt: skip
 
 
 def forms(g: Tensor, rows: QuarticRows, step: int) -> tuple[Tensor, Tensor]:
     """``s4 = u^T F u`` and ``s2 = g^T K2 g`` of each family on every edge: two
-    ``[family, edge]``, from the gates ``g`` ``[head, edge]``, ``step`` edges at a time.
+    ``[family, edge]``, from the gates ``g`` ``[head, edge]``, ``step`` edges at a time; for
+    stacked `QuarticRows`, two ``[stack, family, edge]`` from ``[stack, head, edge]``.
 
     Per block of edges: the pair products ``u`` (`head_pairs` order), one gather of the
-    products `QuarticRows.gathered` lists, one matrix product per range (times the column
-    pairs' products, or the row pairs' where transposed) into one ``[outputs, family, edge]``
-    buffer (slot 0: ``s2``), then one multiply-and-sum by the multipliers' products.
+    products `QuarticRows.gathered` lists, one (batched) matrix product per range (times the
+    column pairs' products, or the row pairs' where transposed) into one ``[stack, outputs,
+    family, edge]`` buffer (slot 0: ``s2``), then one multiply-and-sum by the multipliers'
+    products.
     """
-    n_heads, n_edges = g.shape
+    if g.ndim != (3 if rows.stacked else 2) or (rows.stacked and g.shape[0] != rows.stack):
+        raise ConnWalkError(
+            f"gates {tuple(g.shape)} must be [head, edge], or [stack, head, edge] with "
+            f"{rows.stack} stacked problems for stacked Grams."
+        )
+    if not rows.stacked:
+        g = g[None]
+    stack, n_heads, n_edges = g.shape
     families, n_gathered = rows.families, rows.gathered.numel()
     n_pairs = n_heads * (n_heads + 1) // 2
     first, second = head_pairs(n_heads, g.device)
-    s4, s2 = g.new_empty(families, n_edges), g.new_empty(families, n_edges)
+    s4, s2 = g.new_empty(stack, families, n_edges), g.new_empty(stack, families, n_edges)
     width = min(step, n_edges)
     # flat buffers for every block, viewed contiguously at each block's size
-    columns, picked = g.new_empty(n_pairs * width), g.new_empty(n_gathered * width)
-    products = g.new_empty(rows.outputs * families * width)
+    columns, picked = g.new_empty(stack * n_pairs * width), g.new_empty(stack * n_gathered * width)
+    products = g.new_empty(stack * rows.outputs * families * width)
     for start in range(0, n_edges, step):
-        block = g[:, start : start + step]
-        size = block.shape[1]
-        u = columns[: n_pairs * size].view(n_pairs, size)
+        block = g[..., start : start + step]
+        size = block.shape[-1]
+        u = columns[: stack * n_pairs * size].view(stack, n_pairs, size)
         # u_{ac} = g^a g^c for c >= a, in `head_pairs` order: every pair in one product
-        torch.mul(block.index_select(0, first), block.index_select(0, second), out=u)
-        gathered = picked[: n_gathered * size].view(n_gathered, size)
-        torch.index_select(u, 0, rows.gathered, out=gathered)
-        mixed = products[: rows.outputs * families * size].view(rows.outputs, families, size)
+        torch.mul(block.index_select(1, first), block.index_select(1, second), out=u)
+        gathered = picked[: stack * n_gathered * size].view(stack, n_gathered, size)
+        torch.index_select(u, 1, rows.gathered, out=gathered)
+        mixed = products[: stack * rows.outputs * families * size].view(
+            stack, rows.outputs, families, size
+        )
         at = 0
         for part, coefficients, inputs in zip(rows.ranges, rows.blocks, rows.inputs, strict=True):
-            factor = u[_suffix_start(n_heads, part.b0) :] if inputs is None else gathered[inputs]
-            height = coefficients.shape[0] // families
-            torch.mm(coefficients, factor, out=mixed[at : at + height].view(-1, size))
+            factor = (
+                u[:, _suffix_start(n_heads, part.b0) :] if inputs is None else gathered[:, inputs]
+            )
+            height = coefficients.shape[1] // families
+            torch.bmm(coefficients, factor, out=mixed[:, at : at + height].view(stack, -1, size))
             at += height
-        s2[:, start : start + size] = mixed[0]
-        s4[:, start : start + size] = mixed[1:].mul_(gathered[: rows.n_multipliers, None]).sum(0)
-    return s4, s2
+        s2[..., start : start + size] = mixed[:, 0]
+        s4[..., start : start + size] = (
+            mixed[:, 1:].mul_(gathered[:, : rows.n_multipliers, None]).sum(1)
+        )
+    return (s4, s2) if rows.stacked else (s4[0], s2[0])
