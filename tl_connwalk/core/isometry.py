@@ -26,6 +26,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from tl_connwalk.core import value_heads
+from tl_connwalk.core._fast import chunks
 from tl_connwalk.core._fast.chunks import (
     CHUNK_ENTRIES,
     DEVICE_BLOCK_ENTRIES,
@@ -305,3 +306,8 @@ def common_scale(
         gates, K2, effective_rank(W_V, W_O, kv_heads), walk, query_chunk=query_chunk
     )
     return walk_weighted_mean(walk, scale, exclude_sink=exclude_sink)
+
+
+# Reading or setting ``CHUNK_ENTRIES``, ``DEVICE_BLOCK_ENTRIES`` or ``EDGE_BLOCK`` here reads or
+# sets the budget every chunked computation uses.
+chunks.forward_budgets(__name__)

@@ -28,7 +28,8 @@ from tl_connwalk.core.checks import check_heads, check_optional_count, working_d
 from tl_connwalk.core.markov import _check_walk
 from tl_connwalk.errors import ConnWalkError
 
-#: The chunks' working-memory budget, as read (``_fast.chunks.CHUNK_ENTRIES`` sets it).
+#: The chunks' working-memory budget (reading or setting it here reads or sets the budget every
+#: chunked computation uses).
 CHUNK_ENTRIES = chunks.CHUNK_ENTRIES
 #: Number of ``d_model x max(d_model, H d_head)`` tensors one edge holds at peak in a chunk.
 _TENSORS_PER_EDGE = 10
@@ -305,3 +306,6 @@ def _edge_transports(edge_gates: Tensor, left: Tensor, right: Tensor) -> Tensor:
         left, n_heads * edge_gates, "d_model head d_head, e head -> e d_model head d_head"
     )
     return rearrange(scaled, "e d_model head d_head -> e d_model (head d_head)") @ right
+
+
+chunks.forward_budgets(__name__)

@@ -2,6 +2,10 @@
 chunk holds, so that memory stays at the pattern's size plus one chunk. Results never depend
 on them."""
 
+import sys
+import types
+from typing import Any
+
 import torch
 from einops import reduce
 from torch import Tensor
@@ -19,6 +23,37 @@ EDGE_BLOCK = 4096
 #: Numbers in one block's products on other devices (CUDA), where a block costs kernel
 #: launches rather than cache misses (`edge_block`).
 DEVICE_BLOCK_ENTRIES = 2**26
+
+
+#: The budgets above; the public modules that show them forward reads and assignments here.
+BUDGETS = ("CHUNK_ENTRIES", "DEVICE_BLOCK_ENTRIES", "EDGE_BLOCK")
+
+
+class _ForwardedBudgets(types.ModuleType):
+    """A module whose budget names read and set the values of this one."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in BUDGETS:
+            return getattr(sys.modules[__name__], name)
+        return super().__getattribute__(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in BUDGETS:
+            setattr(sys.modules[__name__], name, value)
+        super().__setattr__(name, value)
+
+
+def forward_budgets(module: str) -> None:
+    """Make ``module.CHUNK_ENTRIES`` (and the other `BUDGETS`) read and set this module's.
+
+    >>> from tl_connwalk.core import isometry
+    >>> old = CHUNK_ENTRIES
+    >>> isometry.CHUNK_ENTRIES = 64
+    >>> sys.modules[__name__].CHUNK_ENTRIES
+    64
+    >>> isometry.CHUNK_ENTRIES = old
+    """
+    sys.modules[module].__class__ = _ForwardedBudgets
 
 
 def query_chunks(n_query: int, per_query: int, query_chunk: int | None = None) -> list[slice]:
