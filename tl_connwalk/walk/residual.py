@@ -3,86 +3,31 @@
 One record per layer with every condition of spec §2 measured as in section 3, each
 defect beside its random baseline (spec §3: a defect means little without one). The record is
 frozen and typed, and ``to_dict()`` gives plain floats and lists for JSON.
+
+The walks' per-edge work, stacked, is in `tl_connwalk.walk._stacked`; what a walk's
+measurements keep between calls (`Memo`, re-exported here with `MeasuredWalk`) in
+`tl_connwalk.walk._layer_terms`.
 """
 
 import dataclasses
-import functools
-import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import Literal, NamedTuple, Protocol, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import Literal
 
 import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from tl_connwalk.core import field_defect, isometry, laplacian, markov, padding
+from tl_connwalk.core import isometry, laplacian, markov, padding
 from tl_connwalk.core import walk as core_walk
-from tl_connwalk.core.caches import (
-    HeadGrams,
-    LayerDraws,
-    head_grams,
-    layer_draws,
-    stacked_draw_message_grams,
-)
 from tl_connwalk.core.isometry import RandomBaseline
 from tl_connwalk.core.laplacian import NearestOperatorDistance
 from tl_connwalk.errors import ConnWalkError
+from tl_connwalk.walk._layer_terms import MeasuredWalk as MeasuredWalk
+from tl_connwalk.walk._layer_terms import Memo as Memo
+from tl_connwalk.walk._layer_terms import _LayerTerms
+from tl_connwalk.walk._stacked import _grouped, _Means, _Parts, _stacked_means
 
 DefectKind = Literal["gram", "frobenius"]
-
-
-@runtime_checkable
-class MeasuredWalk(Protocol):
-    """What the measurements read of a walk: `tl_connwalk.walk.ConnectionWalk` is one.
-
-    The tensors and shapes are those of `ConnectionWalk`'s attributes (spec §1.2).
-    """
-
-    @property
-    def walk(self) -> Float[Tensor, "batch query key"]: ...
-    @property
-    def gates(self) -> Float[Tensor, "batch head query key"]: ...
-    @property
-    def field(self) -> Float[Tensor, "batch key d_model"]: ...
-    @property
-    def W_V(self) -> Float[Tensor, "head d_model d_head"]: ...
-    @property
-    def W_O(self) -> Float[Tensor, "head d_head d_model"]: ...
-    @property
-    def kv_heads(self) -> tuple[int, ...] | None: ...
-    @property
-    def attention_mask(self) -> Bool[Tensor, "batch pos"] | None: ...
-    @property
-    def layer(self) -> int | None: ...
-    @property
-    def processing(self) -> Mapping[str, bool]: ...
-    @property
-    def n_heads(self) -> int: ...
-    def of_heads(self, heads: Sequence[int]) -> "MeasuredWalk": ...
-
-
-class Memo:
-    """What the measurements of one walk share between calls, held by the walk's owner.
-
-    `tl_connwalk.walk.ConnectionWalk` keeps one per walk and passes it to
-    `laplacian_residual` and `isometry_defects`: calls with other options (``exclude_sink``,
-    ``mass_share``, ``mu``, ``exact``) then reuse the unit-scaled weights, their Gram tensors,
-    the message Grams and the random draws. An in-place edit of the walk's field or weights
-    is noticed (``Tensor._version``) and the terms are made again.
-    """
-
-    def __init__(self) -> None:
-        self._terms: _LayerTerms | None = None
-
-    def terms(self, walk: MeasuredWalk) -> "_LayerTerms":
-        """The walk's `_LayerTerms`, made on first use and again after an in-place edit."""
-        if self._terms is None or self._terms.versions != _versions(walk):
-            self._terms = _LayerTerms(walk)
-        return self._terms
-
-    def clear(self) -> None:
-        """Forget the terms (they are made again on the next call)."""
-        self._terms = None
 
 
 def _listed(value: Tensor | None) -> object:
@@ -350,152 +295,6 @@ def laplacian_residuals(
     ]
 
 
-class _Parts:
-    """What the stacked per-edge work needs of one walk: its walk and gates, the edges its
-    summaries keep, and its families (the layer, then its draws) as head Grams and as
-    message Grams."""
-
-    def __init__(
-        self,
-        walk: MeasuredWalk,
-        memo: Memo,
-        exclude_sink: bool,
-        edges: padding.EdgeMask | None,
-        mass_share: float | None,
-        n_draws: int,
-        seed: int,
-    ) -> None:
-        self.walk, self.memo = walk, memo
-        W = self.walk.walk
-        self.W, self.g = W, self.walk.gates
-        self.scoped, self.drop_sink = padding.scope(
-            self.walk.attention_mask, edges, exclude_sink, W.shape, W.device
-        )
-        self.terms = self.memo.terms(self.walk)
-        self.kept, self.covered = None, None
-        if mass_share is not None:
-            considered = W
-            if self.scoped is not None:
-                considered = torch.where(self.scoped, W, 0.0)
-            elif self.drop_sink:
-                considered = W.clone()
-                considered[:, :, 0] = 0.0
-            selected = isometry.heaviest_edges(considered, mass_share)
-            self.covered = isometry.covered_mass_share(considered, selected)
-            # share 1 keeps every edge: the all-edge path itself, not a gathered copy of it
-            self.kept = None if mass_share >= 1.0 else selected
-        grams = self.terms.heads
-        # the layer and its random draws (shared by every layer of this shape) as one family
-        # each, by their head Grams and by their message Grams
-        self.rand = self.terms.layer_draws(n_draws, seed)
-        self.K2 = torch.cat([grams.K2[None], self.rand.K2])
-        self.pair_gram = torch.cat([grams.pair_gram[None], self.rand.pair_gram])
-        self.message_grams = torch.cat(
-            [self.terms.message_grams[None], self.terms.draw_message_grams(n_draws, seed)]
-        )
-
-    def key(self) -> tuple[object, ...]:
-        """Walks with equal keys stack: the same shapes, dtypes, device, rank and masking."""
-        X = self.terms.field
-        return (
-            self.g.shape, self.g.dtype, X.shape, X.dtype, self.message_grams.dtype,
-            self.K2.shape, self.K2.dtype, self.g.device, self.terms.rank, self.drop_sink,
-            self.scoped is None, self.kept is None, self.walk.attention_mask is None,
-        )  # fmt: skip
-
-
-def _grouped(
-    parts: list[_Parts], measure: Callable[[list["_Parts"]], list["_Means"]]
-) -> list["_Means"]:
-    """``measure`` of each group of parts with equal `_Parts.key`, results in ``parts``'
-    order."""
-    groups: dict[tuple[object, ...], list[int]] = {}
-    for index, part in enumerate(parts):
-        groups.setdefault(part.key(), []).append(index)
-    results: dict[int, _Means] = {}
-    for indices in groups.values():
-        results.update(zip(indices, measure([parts[i] for i in indices]), strict=True))
-    return [results[index] for index in range(len(parts))]
-
-
-class _Means(NamedTuple):
-    """One walk's stacked results: per family (the layer, then its draws) and sequence, and
-    its Markov conditions."""
-
-    transport: Float[Tensor, "family batch"]
-    scale: Float[Tensor, "family batch"]
-    fields: Float[Tensor, "family batch"]
-    reversibility: markov.ReversibilityResidual
-    stochasticity: Float[Tensor, " batch"]
-    head_fields: Float[Tensor, "batch head"]
-
-
-def _stacked(tensors: Sequence[Tensor]) -> Tensor:
-    """``torch.stack``, without a copy for one tensor."""
-    return tensors[0][None] if len(tensors) == 1 else torch.stack(list(tensors))
-
-
-def _stacked_masks(masks: Sequence[Tensor | None]) -> Tensor | None:
-    """`_stacked` edge masks; ``None`` where the walks have none (a group's walks have a mask
-    each or none: `_Parts.key`)."""
-    present = [mask for mask in masks if mask is not None]
-    return _stacked(present) if present else None
-
-
-def _stacked_means(
-    parts: list[_Parts],
-    mu: Float[Tensor, "batch pos"] | markov.MuOption,
-    alpha: float,
-    query_chunk: int | None,
-) -> list[_Means]:
-    """The transport defects of stackable walks' families in one pass over their stacked
-    gates; the field defects (of the families, and per head), the Markov conditions with the
-    walks side by side as one batch of sequences."""
-    first, count = parts[0], len(parts)
-    W, g = _stacked([p.W for p in parts]), _stacked([p.g for p in parts])
-    masks = _stacked_masks([p.scoped if p.kept is None else p.kept for p in parts])
-    means = isometry.stacked_gram_means(
-        W, g, _stacked([p.K2 for p in parts]), _stacked([p.pair_gram for p in parts]),
-        first.terms.rank, exclude_sink=first.drop_sink, edges=masks, query_chunk=query_chunk,
-    )  # fmt: skip
-    # the walks side by side: [stack batch ...] as [(stack batch) ...]
-    scoped = _stacked_masks([p.scoped for p in parts])
-    edges = None if scoped is None else scoped.flatten(0, 1)
-    X = _stacked([p.terms.field for p in parts]).flatten(0, 1)
-    walks, gates = W.flatten(0, 1), g.flatten(0, 1)
-    fields = field_defect.field_isometry_defects(
-        X, walks, gates, torch.cat([p.message_grams for p in parts], dim=1),
-        exclude_sink=first.drop_sink, query_chunk=query_chunk, edges=edges,
-    ).unflatten(1, (count, -1))  # fmt: skip
-    # given the message Grams, the weights only fix the shapes and the dtype (the group's)
-    heads = field_defect.head_field_isometry_defects(
-        X, walks, gates, first.terms.W_V, first.terms.W_O, exclude_sink=first.drop_sink,
-        query_chunk=query_chunk, grams=torch.cat([p.terms.message_grams for p in parts]),
-        edges=edges,
-    ).unflatten(0, (count, -1))  # fmt: skip
-    positions = _stacked_masks([p.walk.attention_mask for p in parts])
-    positions = None if positions is None else positions.flatten(0, 1)
-    given = mu.repeat(count, 1) if isinstance(mu, Tensor) else mu
-    reversibility = markov.reversibility_residual(walks, given, alpha=alpha, positions=positions)
-    stochasticity = markov.stochasticity_residual(walks, positions=positions).view(count, -1)
-    batch = first.W.shape[0]
-    return [
-        _Means(
-            means.defect[k],
-            means.scale[k],
-            fields[:, k],
-            markov.ReversibilityResidual(
-                reversibility.residual[k * batch : (k + 1) * batch],
-                reversibility.mu[k * batch : (k + 1) * batch],
-                reversibility.mu_kind[k * batch : (k + 1) * batch],
-            ),
-            stochasticity[k],
-            heads[k],
-        )
-        for k in range(count)
-    ]
-
-
 def _finished(
     part: _Parts,
     means: _Means,
@@ -615,150 +414,3 @@ def _of_heads(
         if subset is not walk:
             return subset, Memo()
     return walk, Memo() if memo is None else memo
-
-
-class _LayerTerms:
-    """What the measurements need of a walk's weights and field alone, each computed on first
-    use and kept in the walk's `Memo`: calls with other options (``exclude_sink``,
-    ``mass_share``, ``mu``, ``exact``; the report measures every layer with and without the
-    sink) share them.
-
-    ``field``, ``W_V``, ``W_O`` are unit-scaled (`_unit_scaled`; ``factor`` undoes it for the
-    common scale); ``heads`` are their `HeadGrams` (from the store shared by every walk,
-    `tl_connwalk.core.caches.head_grams`); ``layer_draws`` and ``draw_message_grams`` are
-    memoised per ``(n_draws, seed)``.
-    """
-
-    def __init__(self, walk: MeasuredWalk) -> None:
-        self.versions = _versions(walk)
-        (self.field, _), (self.W_V, v_factor), (self.W_O, o_factor) = map(
-            _unit_scaled, (walk.field, walk.W_V, walk.W_O)
-        )
-        self.factor = v_factor * o_factor
-        self.kv_heads = walk.kv_heads
-        self.positions = walk.attention_mask
-        self.rank = isometry.effective_rank(self.W_V, self.W_O, walk.kv_heads)
-        self._draws: dict[tuple[int, int], LayerDraws] = {}
-        self._draw_grams: dict[tuple[int, int], Tensor] = {}
-        self._message_grams: Tensor | None = None
-
-    @functools.cached_property
-    def heads(self) -> HeadGrams:
-        """``K2``, folded ``K4``, head norms and defects: computed once per set of weights."""
-        return head_grams(self.W_V, self.W_O)
-
-    @property
-    def message_grams(self) -> Tensor:
-        """`field_defect.message_grams` of the field (made on first use)."""
-        if self._message_grams is None:
-            self._message_grams = field_defect.message_grams(
-                self.field, self.W_V, self.W_O, out_rows=self.heads.out_rows
-            )
-        return self._message_grams
-
-    @staticmethod
-    def stack_message_grams(terms: Sequence["_LayerTerms"], n_draws: int, seed: int) -> None:
-        """Make the message Grams of each walk's field and of its ``(n_draws, seed)`` draws
-        that ``terms`` lack, stacked over the walks of one head shape, dtype and field shape
-        whose output-Gram rows are kept (`field_defect.stacked_message_grams`,
-        `tl_connwalk.core.caches.stacked_draw_message_grams`): one batched product per block
-        of keys and head for all of them. Padded walks and wide heads are left to
-        `message_grams` and `draw_message_grams`, one walk at a time.
-        """
-        groups: dict[tuple[object, ...], list[_LayerTerms]] = {}
-        for term in terms:
-            if term.positions is None and term.heads.out_rows is not None:
-                shapes = (
-                    term.field.shape, term.field.dtype, term.W_V.shape, term.W_O.shape,
-                    term.W_V.dtype, term.W_V.device, term.kv_heads,
-                )  # fmt: skip
-                groups.setdefault(shapes, []).append(term)
-        for group in groups.values():
-            if len(group) < 2:
-                continue
-            own = [term for term in group if term._message_grams is None]
-            if own:
-                out_rows = [term.heads.out_rows for term in own]
-                grams = field_defect.stacked_message_grams(
-                    torch.stack([term.field for term in own]),
-                    torch.stack([term.W_V.permute(1, 0, 2) for term in own]).flatten(2),
-                    own[0].W_V.shape[0],
-                    torch.stack([rows for rows in out_rows if rows is not None]),
-                )
-                for term, gram in zip(own, grams, strict=True):
-                    term._message_grams = gram
-            key = (n_draws, seed)
-            drawn = [term for term in group if key not in term._draw_grams]
-            if drawn:
-                grams = stacked_draw_message_grams(
-                    [term.layer_draws(n_draws, seed) for term in drawn],
-                    torch.stack([term.field for term in drawn]),
-                )
-                for term, gram in zip(drawn, grams, strict=True):
-                    term._draw_grams[key] = gram
-
-    def layer_draws(self, n_draws: int, seed: int) -> LayerDraws:
-        """`tl_connwalk.core.caches.layer_draws` of the (unit-scaled) weights."""
-        key = (n_draws, seed)
-        if key not in self._draws:
-            self._draws[key] = layer_draws(
-                self.W_V, self.W_O, n_draws, seed, norms_sq=self.heads.norms_sq,
-                kv_heads=self.kv_heads,
-            )  # fmt: skip
-        return self._draws[key]
-
-    def draw_message_grams(self, n_draws: int, seed: int) -> Float[Tensor, "draw batch key a b"]:
-        """`LayerDraws.message_grams` of the field.
-
-        In a padded batch each sequence's real keys are drawn for as a sequence of their
-        length (the field draws depend on it), one call per length: a sequence's field
-        baseline is then the one it has alone. Padding keys get zero Grams (no edge reads
-        them).
-        """
-        key = (n_draws, seed)
-        if key not in self._draw_grams:
-            rand = self.layer_draws(n_draws, seed)
-            positions = self.positions
-            if positions is None:
-                self._draw_grams[key] = rand.message_grams(self.field)
-            else:
-                self._draw_grams[key] = self._per_length(rand, positions)
-        return self._draw_grams[key]
-
-    def _per_length(self, rand: LayerDraws, positions: Tensor) -> Tensor:
-        n_draws, n_heads = rand.scales.shape
-        grams = self.field.new_zeros(n_draws, *self.field.shape[:2], n_heads, n_heads)
-        lengths = positions.sum(-1)
-        for length in lengths.unique().tolist():
-            seqs = (lengths == length).nonzero().flatten()
-            keys = positions[seqs].nonzero()[:, 1].view(len(seqs), int(length))
-            rows = seqs[:, None].expand_as(keys)
-            grams[:, rows, keys] = rand.message_grams(self.field[rows, keys])
-        return grams
-
-
-def _versions(walk: MeasuredWalk) -> tuple[int, ...]:
-    """In-place edits of a walk's field or weights bump these (``Tensor._version``; -1 for an
-    inference tensor, which keeps no counter and cannot be edited outside inference mode)."""
-    return tuple(-1 if t.is_inference() else t._version for t in (walk.field, walk.W_V, walk.W_O))
-
-
-def _unit_scaled(tensor: Tensor) -> tuple[Tensor, float]:
-    """``(c t, c)`` with ``c`` the power of two that brings ``max |t|`` nearest to 1.
-
-    Every defect is invariant under scaling the field and the transports (spec §3), but the
-    closed forms raise transport norms to the fourth power, which leaves float32's range for
-    ``||T||_F`` beyond about 1e9 or below 1e-9. A power of two rescales without rounding
-    error (the defects agree with the unscaled ones to the last bit or so); inputs whose
-    ``max |t|`` lies in ``[2^-8, 2^8]`` are used as they are, without a copy.
-    """
-    peak = isometry.abs_max(tensor)
-    if not math.isfinite(peak):
-        raise ConnWalkError(
-            f"a {tuple(tensor.shape)} input of the measurement has non-finite entries (NaN or "
-            "Inf); check the model's weights and the cached activations."
-        )
-    if peak == 0.0 or 2.0**-8 <= peak <= 2.0**8:
-        return tensor, 1.0
-    factor = 2.0 ** -round(math.log2(peak))
-    return tensor * factor, factor
