@@ -657,6 +657,8 @@ def read_rows(path: Path, run: int) -> list[dict[str, Any]]:
             with contextlib.suppress(ValueError):
                 row[key] = float(value)
         row["window"] = f"{run}.{int(row['window'])}"
+        if "position" in row:
+            row["position"] = int(row["position"])
     return rows
 
 
@@ -672,7 +674,8 @@ def merged(runs: list[Path], out: Path) -> str:
         if (folder / "problems.json").exists():
             for model, found in json.loads((folder / "problems.json").read_text()).items():
                 problems.setdefault(model, {}).update(found)
-        first = (folder / "faithfulness.md").read_text().splitlines()[:2]
+        table = folder / "faithfulness.md"
+        first = table.read_text().splitlines()[:2] if table.exists() else [str(folder), ""]
         header += [f"Run {run}: {first[0]}", f"{first[1]}", ""]
     write_tables(out, rows, ladder_rows, problems)
     text = "\n".join(header) + summary(rows, problems) + "\n" + ladder_table(ladder_rows)
@@ -695,6 +698,8 @@ def main(argv: list[str] | None = None) -> None:
         "--merge", type=Path, nargs="+", help="write the tables of these runs' --out folders"
     )
     args = parser.parse_args(argv)
+    if args.pick is not None and not all(0 <= w < args.windows for w in args.pick):
+        parser.error(f"--pick: windows are 0 to {args.windows - 1} of --windows {args.windows}")
     if args.merge:
         text = merged(args.merge, args.out)
         print(text)

@@ -195,6 +195,8 @@ def main() -> int:
     parser.add_argument("--exitfirst", action="store_true")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     args = parser.parse_args()
+    if len(set(args.modes)) < 2:
+        parser.error("--modes: name at least two runs to compare (plain and attach, say)")
     args.out.mkdir(parents=True, exist_ok=True)
     shadow = args.out / "shadow"
     shadow.mkdir(exist_ok=True)

@@ -27,9 +27,9 @@ import nbformat
 ROOT = Path(__file__).resolve().parents[1]
 TUTORIALS = ROOT / "tutorials"
 OUT = ROOT / "docs" / "tutorials"
-#: the page around a view's HTML (a self-contained <div>: it loads nothing from anywhere)
 #: how a view's notebook HTML begins (`tl_connwalk.views.page.View.fragment`)
 VIEW_MARKER = '<div class="cwv"'
+#: the page around a view's HTML (a self-contained <div>: it loads nothing from anywhere)
 VIEW_PAGE = (
     '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"></head>\n<body>{}</body></html>\n'
 )

@@ -5,6 +5,7 @@ from typing import Any
 import pytest
 import torch
 from jaxtyping import TypeCheckError
+from torch.utils.checkpoint import checkpoint
 
 import tl_connwalk
 from tests.architectures import (
@@ -19,6 +20,7 @@ from tests.architectures import (
 from tests.attribution import reference
 from tests.tolerances import rtol
 from tl_connwalk import Attribution
+from tl_connwalk.attribution import frozen
 
 FROZEN_TERMS = 1024
 
@@ -132,7 +134,7 @@ def _unchanged(model: Any, untrained: torch.nn.Parameter) -> None:
     assert all(parameter.requires_grad for parameter in others)
 
 
-def test_restores_blocks_and_weights_even_on_error(gpt2):
+def test_restores_blocks_and_weights_even_on_error(gpt2, monkeypatch):
     """The frozen network's backward pass recomputes each block and treats the weights as
     constants; afterwards, or after an error in its forward pass, the model is as it was
     (a weight the user set not to require gradients included)."""
@@ -147,13 +149,48 @@ def test_restores_blocks_and_weights_even_on_error(gpt2):
             if torch.is_grad_enabled():  # the frozen network's forward pass, not the clean run
                 raise RuntimeError("failed inside the frozen network")
 
-        gpt2.add_hook("blocks.1.hook_resid_mid", fail_with_gradients, is_permanent=True)
+        hooks = frozen.FrozenNetwork.hooks
+
+        def failing(self: Any, *args: Any, **kwargs: Any) -> list:
+            return [*hooks(self, *args, **kwargs), ("blocks.1.hook_resid_mid", fail_with_gradients)]
+
+        monkeypatch.setattr(frozen.FrozenNetwork, "hooks", failing)
         with pytest.raises(RuntimeError, match="inside the frozen network"):
             tl_connwalk.attribute(gpt2, tokens())
         _unchanged(gpt2, untrained)
     finally:
-        gpt2.reset_hooks(including_permanent=True)
         untrained.requires_grad_(True)
+
+
+def test_recomputes_each_block_unless_the_model_has_hooks_of_its_own(gpt2, monkeypatch):
+    """Each block of the frozen network is checkpointed once (its activations recomputed in
+    the backward pass), with the results of the whole graph; a hook of the user's would run
+    again in a recomputation, so with one the whole graph is kept and the hook runs as often
+    as without recomputation."""
+    checkpointed: list[int] = []
+
+    def counting(function: Any, *args: Any, **kwargs: Any) -> Any:
+        checkpointed.append(1)
+        return checkpoint(function, *args, **kwargs)
+
+    monkeypatch.setattr(frozen, "checkpoint", counting)
+    recomputed = tl_connwalk.attribute(gpt2, tokens())
+    assert len(checkpointed) == gpt2.cfg.n_layers
+    calls: list[int] = []
+    gpt2.add_hook("blocks.0.hook_resid_mid", lambda x, hook: calls.append(1), is_permanent=True)
+    try:
+        checkpointed.clear()
+        whole = tl_connwalk.attribute(gpt2, tokens())
+        assert checkpointed == []
+        calls_whole, calls[:] = len(calls), []
+        monkeypatch.setattr(frozen, "_has_hooks", lambda model: False)
+        tl_connwalk.attribute(gpt2, tokens())
+        assert len(checkpointed) == gpt2.cfg.n_layers
+        assert len(calls) > calls_whole  # what keeping the whole graph avoids
+    finally:
+        gpt2.reset_hooks(including_permanent=True)
+    assert_exact(recomputed.scores, whole.scores, recomputed)
+    assert_exact(recomputed.edges(0), whole.edges(0), recomputed)
 
 
 def test_text_input(gpt2):

@@ -106,6 +106,15 @@ def _module_hooks(hooks: Mapping[nn.Module, Callable[..., Any]]) -> Iterator[Non
             handle.remove()
 
 
+def _has_hooks(model: nn.Module) -> bool:
+    """Whether any hook point of ``model`` has a forward or backward hook on it now."""
+    hook_dict: Mapping[str, Any] = getattr(model, "hook_dict", {})
+    return any(
+        getattr(point, "fwd_hooks", None) or getattr(point, "bwd_hooks", None)
+        for point in hook_dict.values()
+    )
+
+
 def _is_frozen_in_place(name: str) -> bool:
     return name.endswith(("attn.hook_pattern", "hook_scale"))
 
@@ -314,9 +323,10 @@ class FrozenNetwork:
         `torch.utils.checkpoint`): a graph through ``F`` then holds the activations of one
         block, not of every layer. Each block's ``forward`` is restored on exit, even on error;
         the backward pass may come after. ``HookedTransformer`` and ``HookedEncoder`` only:
-        a ``TransformerBridge`` (its blocks wrap Hugging Face's) and an ``F`` that stops
-        inside the network (``stop_at``) keep the whole graph."""
-        if self.stop_at is not None or is_bridge(self.model):
+        a ``TransformerBridge`` (its blocks wrap Hugging Face's), an ``F`` that stops
+        inside the network (``stop_at``) and a model with hooks of its own on any hook point
+        (a recomputation would run them again) keep the whole graph."""
+        if self.stop_at is not None or is_bridge(self.model) or _has_hooks(self.model):
             yield
             return
         blocks: nn.ModuleList = self.model.blocks  # type: ignore[assignment]

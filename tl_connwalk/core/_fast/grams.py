@@ -7,7 +7,7 @@ from einops import einsum, rearrange
 from jaxtyping import Float
 from torch import Tensor
 
-from tl_connwalk.core._fast.chunks import CHUNK_ENTRIES
+from tl_connwalk.core._fast import chunks
 from tl_connwalk.core._fast.quartic import head_pairs
 from tl_connwalk.core.checks import cast_heads
 
@@ -140,7 +140,7 @@ def grams_of_factor_grams(
     n_heads, _, d_head, _ = gram_v.shape
     K2 = einsum(gram_v, gram_o, "a b p q, a b p q -> a b")  # GO[b,a] = GO[a,b]^T
     K4 = gram_v.new_empty(n_heads, n_heads, n_heads, n_heads)
-    step = max(1, CHUNK_ENTRIES // (8 * n_heads * d_head * d_head))
+    step = max(1, chunks.CHUNK_ENTRIES // (8 * n_heads * d_head * d_head))
     for b in range(n_heads):
         for start in range(0, n_heads, step):
             cs = slice(start, start + step)
