@@ -116,19 +116,18 @@ def connection(
     leaves = {
         name: value.detach().requires_grad_(True) for name, value in frozen.embeddings.items()
     }
-    # the layers whose patterns ran before the target (all, but for a target inside the network)
-    names = [name for name in pattern_hooks(model) if name in frozen.frozen]
     batch, n_pos = frozen.tokens.shape
     edges = frozen.embeddings[next(iter(leaves))].new_zeros(
         _n_layers(model), batch, int(config(model).n_heads), n_pos, n_pos
     )
-    pattern_leaves = {name: frozen.frozen[name].detach().requires_grad_(True) for name in names}
+    # the layers whose patterns ran before the target (all, but for a target inside the
+    # network); each layer's share is made as soon as its gradient is, and the gradient freed
+    pattern_leaves = {}
     for layer, name in enumerate(pattern_hooks(model)):
-        if name in pattern_leaves:
-            # each layer's share is made as soon as its gradient is, and the gradient freed
-            pattern_leaves[name].register_post_accumulate_grad_hook(
-                functools.partial(_edge_share, edges[layer])
-            )
+        if name in frozen.frozen:
+            leaf = frozen.frozen[name].detach().requires_grad_(True)
+            leaf.register_post_accumulate_grad_hook(functools.partial(_edge_share, edges[layer]))
+            pattern_leaves[name] = leaf
     with torch.enable_grad():
         with frozen.recomputing_blocks(leaves, pattern_leaves):
             y, cap_gain, _ = evaluate(frozen, target, leaves, {}, overrides=pattern_leaves)
