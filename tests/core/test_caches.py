@@ -12,6 +12,7 @@ NAMES = {
     "core.draws.key_draws",
     "core.quartic.ranges",
     "core.quartic.layout",
+    "core.messages.pair_index",
 }
 
 

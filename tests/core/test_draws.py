@@ -80,7 +80,7 @@ def test_wide_heads_draws_keep_their_output_gram_rows_within_a_budget(draw_rows,
     every layer) while they fit ``OUT_ROWS_BYTES``, else through its messages; the baselines
     equal the slow reference either way."""
     monkeypatch.setattr(head_grams, "OUT_GRAM_WIDTH", 8)  # H d_head = 9 is wider
-    row_bytes = 3**2 * (3 * 4 // 2) * 8  # d_head^2 H (H + 1) / 2 float64 numbers per draw
+    row_bytes = 3**2 * 3 * (3 // 2 + 1) * 8  # d_head^2 H (H // 2 + 1) float64 numbers per draw
     if not draw_rows:  # one byte short of three draws' rows
         monkeypatch.setattr(draws, "OUT_ROWS_BYTES", 3 * row_bytes - 1)
     draws.raw_draws.cache_clear()

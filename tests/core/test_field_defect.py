@@ -49,7 +49,7 @@ def test_message_grams_through_the_output_gram_equal_the_messages(
     monkeypatch.setattr(fast_messages, "query_chunks", lambda n, per, chunk=None: _slices(n, 3))
     blocked = fd.message_grams(field, W_V, W_O, out_rows=out_rows)
     assert_close(blocked, expected)
-    assert torch.equal(blocked, blocked.mT)  # filled from the upper triangle
+    assert torch.equal(blocked, blocked.mT)  # each head pair computed once
 
 
 def _slices(n, step):
@@ -57,9 +57,9 @@ def _slices(n, step):
 
 
 def test_message_grams_reject_output_gram_rows_of_other_heads():
-    _, field, W_V, W_O = random_problem(heads=3)  # 3 heads of 3: 54 numbers
+    _, field, W_V, W_O = random_problem(heads=3)  # 3 heads of 3, each with 2 partners: 54 numbers
     two_heads = fd.output_gram_rows(torch.einsum("apd,bqd->abpq", W_O[:2], W_O[:2]))
-    with pytest.raises(ConnWalkError, match=r"out_rows \(27,\) must be \[54\]"):
+    with pytest.raises(ConnWalkError, match=r"out_rows \(36,\) must be \[54\]"):
         fd.message_grams(field, W_V, W_O, out_rows=two_heads)
 
 

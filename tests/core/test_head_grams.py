@@ -40,10 +40,16 @@ def test_the_output_gram_rows_are_kept_for_narrow_layers_only(monkeypatch):
     terms = head_grams.head_grams(p.W_V, p.W_O)
     outputs = p.W_O.flatten(0, 1)  # W_O^cat, [H d_head, d_model]
     gram = outputs @ outputs.T
-    # row block a: the blocks W_O^a W_O^b^T for b >= a, as [d_head, (H - a) d_head]
-    upper_rows = torch.cat([gram[3 * a : 3 * a + 3, 3 * a :].reshape(-1) for a in range(4)])
-    torch.testing.assert_close(terms.out_rows, upper_rows)
-    assert terms.out_rows.numel() == 3 * 3 * 4 * 5 // 2 < gram.numel()
+
+    # head a: the blocks W_O^a W_O^b^T for b = a, a + 1, a + 2 (mod 4), as [d_head, 3 d_head]
+    def block(a, b):
+        return gram[3 * a : 3 * a + 3, 3 * b : 3 * b + 3]
+
+    half_rows = torch.cat(
+        [torch.cat([block(a, (a + k) % 4) for k in range(3)], 1).reshape(-1) for a in range(4)]
+    )
+    torch.testing.assert_close(terms.out_rows, half_rows)
+    assert terms.out_rows.numel() == 3 * 3 * 4 * 3 < gram.numel()
     assert terms.nbytes == sum(t.nbytes for t in (terms.norms_sq, terms.K2, terms.pair_gram,
                                                   terms.head_defects, terms.out_rows))  # fmt: skip
     monkeypatch.setattr(head_grams, "OUT_GRAM_WIDTH", 11)  # H d_head = 12 is wider

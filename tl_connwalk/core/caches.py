@@ -1,6 +1,6 @@
 """The process-wide caches of the math core: what they hold, and how to empty them.
 
-Five stores keep what depends on weights or shapes, not on tokens, so that every layer,
+Six stores keep what depends on weights or shapes, not on tokens, so that every layer,
 batch and prompt of a model shares it (docs/performance.md, "Caches"):
 
 - ``core.head_grams``: each layer's head Gram tensors (`head_grams`), by an XXH3 digest of
@@ -9,6 +9,8 @@ batch and prompt of a model shares it (docs/performance.md, "Caches"):
   last two head shapes (`layer_draws` rescales them to a layer);
 - ``core.quartic.ranges``, ``core.quartic.layout``: the quartic forms' index plans for the
   last 16 and 8 head counts.
+- ``core.messages.pair_index``: where each head pair's message Gram lies among the products
+  of every head with its next ``H // 2`` heads, for the last 8 head counts and devices.
 
 Results never depend on them: a cleared cache is filled again with the same numbers. The
 stores themselves are private (``tl_connwalk.core._fast``); `head_grams` and `layer_draws`

@@ -120,9 +120,9 @@ def raw_draws(
 
     Cached for the last two shapes: a model's layers share them. Costs, once,
     ``n_draws`` times one layer's `isometry.gram_matrices` and head defects. Each draw keeps
-    its output Gram's upper blocks (`head_grams.HeadGrams.out_rows`, what spares
+    half its output Gram's blocks (`head_grams.HeadGrams.out_rows`, what spares
     `field_defect.message_grams` the messages) at any width while all draws' rows together
-    fit ``OUT_ROWS_BYTES`` (a Llama-3-8B shape: 33 MiB per draw, 264 MiB for 8 draws).
+    fit ``OUT_ROWS_BYTES`` (a Llama-3-8B shape: 34 MiB per draw, 272 MiB for 8 draws).
     """
     generator = torch.Generator(device=device).manual_seed(seed)
     keep = n_draws * (v_shape.numel() + o_shape.numel()) <= chunks.CHUNK_ENTRIES
@@ -308,8 +308,7 @@ def _output_blocks(raw: head_grams.HeadGrams, R_O: Tensor) -> Tensor:
     n_heads, d_head, _ = R_O.shape
     if raw.out_rows is None:
         return R_O @ R_O.mT
-    rows = messages.row_blocks(raw.out_rows, n_heads, d_head)
-    return torch.stack([row[:, :d_head] for row in rows])
+    return messages.row_blocks(raw.out_rows, n_heads, d_head)[..., :d_head]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,7 @@
 The head transports ``T^h = W_V^h W_O^h`` give the head Grams ``K2``, the folded ``K4`` and
 the head defects (spec §3; `tl_connwalk.core.isometry.gram_matrices`, `isometry.fold_pairs`,
 `isometry.head_transport_defects`) and, for layers with ``H d_head <= OUT_GRAM_WIDTH``, the
-upper blocks of the output Gram ``W_O^cat W_O^cat^T`` that spare the field defect its
+half the blocks of the output Gram ``W_O^cat W_O^cat^T`` that spare the field defect its
 messages (`tl_connwalk.core.field_defect.message_grams`). They depend on the weights, not on the
 tokens: every cache of one model (each batch of ``analyze``, each prompt of a study) needs
 the same ones, and for a GPT-2-small layer they cost about as much as that layer's forward
@@ -34,10 +34,10 @@ from tl_connwalk.core import checks, field_defect, isometry
 from tl_connwalk.core._fast.lru import CacheInfo, Store, tensor_bytes
 
 #: Most bytes the store keeps (least recently used entries leave first). A GPT-2-small layer
-#: needs 1.2 MiB (26 KiB without its ``out_rows``), a Llama-3-8B layer (32 heads) 1.1 MiB.
+#: needs 1.3 MiB (26 KiB without its ``out_rows``), a Llama-3-8B layer (32 heads) 1.1 MiB.
 CACHE_BYTES = 2**28
 #: Widest ``H d_head`` whose output Gram ``W_O^cat W_O^cat^T`` is kept (`HeadGrams.out_rows`,
-#: its upper blocks): 1024 is about 2 MiB in float32 (GPT-2 small: 768, 1.2 MiB). Wider
+#: half its blocks): 1024 is about 2 MiB in float32 (GPT-2 small: 768, 1.3 MiB). Wider
 #: layers measure their message Grams through the messages (`field_defect.message_grams`).
 OUT_GRAM_WIDTH = 1024
 
@@ -48,8 +48,8 @@ class HeadGrams:
 
     ``norms_sq[h] = ||T^h||_F^2`` (the diagonal of ``K2``), ``K2[a,b] = tr(T^a^T T^b)``,
     ``pair_gram = fold_pairs(K4)`` over the head pairs ``a <= c``, ``head_defects[h] =
-    delta(T^h)`` with ``r = d_head``, and ``out_rows``, the upper blocks of ``W_O^cat
-    W_O^cat^T`` (blocks ``W_O^a W_O^b^T``, ``b >= a``, packed by
+    delta(T^h)`` with ``r = d_head``, and ``out_rows``, half the blocks of ``W_O^cat
+    W_O^cat^T`` (each head's ``W_O^a W_O^b^T`` with its next ``H // 2`` heads, packed by
     `field_defect.output_gram_rows`; what `field_defect.message_grams` needs to skip the
     messages) where ``H d_head <= OUT_GRAM_WIDTH``, else ``None``. The random draws keep
     theirs stacked, each tensor with a leading draw axis (`tl_connwalk.core._fast.draws`).
@@ -75,12 +75,12 @@ def compute_head_grams(
 ) -> HeadGrams:
     """`HeadGrams` of ``W_V``, ``W_O``, computed now (no store): ``O(H^3 d_head^3)``.
 
-    ``out_rows``: whether to keep the output Gram's upper blocks (``None``: where
+    ``out_rows``: whether to keep half the output Gram's blocks (``None``: where
     ``H d_head <= OUT_GRAM_WIDTH``; `tl_connwalk.core._fast.draws` keeps them at any width, since
     one set serves every layer of a shape).
 
     >>> terms = compute_head_grams(torch.randn(3, 8, 2), torch.randn(3, 2, 8))
-    >>> terms.K2.shape, terms.pair_gram.shape, terms.out_rows.shape  # out_rows: 2 * 2 * 3 * 4 / 2
+    >>> terms.K2.shape, terms.pair_gram.shape, terms.out_rows.shape  # out_rows: 2 * 2 * 3 * 2
     (torch.Size([3, 3]), torch.Size([6, 6]), torch.Size([24]))
     """
     gram_v, gram_o = isometry.head_factor_grams(W_V, W_O)

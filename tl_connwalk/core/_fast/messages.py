@@ -10,6 +10,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from tl_connwalk.core._fast.chunks import query_chunks
+from tl_connwalk.core._fast.lru import memoized
 from tl_connwalk.core.checks import working_dtype
 from tl_connwalk.errors import ConnWalkError
 
@@ -34,48 +35,72 @@ def cast_operands(field: Tensor, W_V: Tensor, W_O: Tensor, *rest: Tensor) -> tup
 def output_gram_rows(
     out_blocks: Float[Tensor, "head head d_head d_head"],
 ) -> Float[Tensor, " packed"]:
-    """The output Gram ``W_O^cat W_O^cat^T`` by its upper block rows, packed (``out_rows`` of
-    `message_grams`).
+    """The output Gram ``W_O^cat W_O^cat^T`` by the blocks that pair each head with the next
+    ``H // 2`` (cyclically), packed (``out_rows`` of `message_grams`).
 
     ``out_blocks[a, b] = W_O^a W_O^b^T`` (`tl_connwalk.core.isometry.head_factor_grams`' second
-    result). Row block ``a`` keeps the blocks ``b >= a`` as one ``[d_head, (H - a) d_head]``
-    matrix, the rows one after another: ``d_head^2 H (H + 1) / 2`` numbers, about half of the
-    symmetric Gram (GPT-2 small: 1.2 MiB in float32 against 2.25 MiB).
+    result). Head ``a`` keeps the blocks ``b = (a + k) mod H`` for ``k = 0 ... H // 2`` as one
+    ``[d_head, (H // 2 + 1) d_head]`` matrix, the heads one after another: every unordered
+    head pair is among them (``W_O^b W_O^a^T`` is the transpose of ``W_O^a W_O^b^T``), and
+    the layout is the same for every head, so `message_grams` takes all heads in one batched
+    product. ``d_head^2 H (H // 2 + 1)`` numbers, about half of the symmetric Gram (GPT-2
+    small: 1.3 MiB in float32 against 2.25 MiB).
 
     >>> W_O = torch.randn(3, 2, 8)
-    >>> from einops import einsum
-    >>> output_gram_rows(einsum(W_O, W_O, "a p d, b q d -> a b p q")).shape  # 4 * 3 * 4 / 2
+    >>> output_gram_rows(einsum(W_O, W_O, "a p d, b q d -> a b p q")).shape  # 4 * 3 * 2
     torch.Size([24])
     """
     n_heads = out_blocks.shape[0]
-    return torch.cat([rearrange(out_blocks[a, a:], "b p q -> (p b q)") for a in range(n_heads)])
+    heads = torch.arange(n_heads, device=out_blocks.device)
+    partners = (heads[:, None] + heads[: n_heads // 2 + 1]) % max(1, n_heads)
+    return rearrange(out_blocks[heads[:, None], partners], "a k p q -> (a p k q)")
 
 
 def output_gram_rows_numel(n_heads: int, d_head: int) -> int:
     """Numbers `output_gram_rows` packs for ``n_heads`` heads of ``d_head``:
-    ``d_head^2 H (H + 1) / 2``.
+    ``d_head^2 H (H // 2 + 1)``.
 
     >>> output_gram_rows_numel(3, 2)
     24
     """
-    return d_head * d_head * n_heads * (n_heads + 1) // 2
+    return d_head * d_head * n_heads * (n_heads // 2 + 1)
 
 
-def row_blocks(out_rows: Tensor, n_heads: int, d_head: int) -> list[Tensor]:
-    """Views of the row blocks packed by `output_gram_rows`, each ``[..., d_head, (H - a)
-    d_head]`` (any leading axes of ``out_rows``, e.g. one per draw)."""
+def row_blocks(out_rows: Tensor, n_heads: int, d_head: int) -> Tensor:
+    """The rows packed by `output_gram_rows` as ``[..., head, d_head, (H // 2 + 1) d_head]``
+    (a view; any leading axes of ``out_rows``, e.g. one per draw): ``[..., a, :, k d_head :
+    (k + 1) d_head]`` is ``W_O^a W_O^b^T`` with ``b = (a + k) mod H``."""
     expected = output_gram_rows_numel(n_heads, d_head)
     if out_rows.shape[-1:] != (expected,):
         raise ConnWalkError(
-            f"out_rows {tuple(out_rows.shape)} must be [{expected}]: the upper block rows of "
-            f"W_O^cat W_O^cat^T for {n_heads} heads of {d_head}, packed by output_gram_rows."
+            f"out_rows {tuple(out_rows.shape)} must be [{expected}]: the output Gram "
+            f"W_O^cat W_O^cat^T's blocks for {n_heads} heads of {d_head}, packed by "
+            "output_gram_rows."
         )
-    sizes = [d_head * (n_heads - a) * d_head for a in range(n_heads)]
-    lead = out_rows.shape[:-1]
-    return [
-        part.view(*lead, d_head, (n_heads - a) * d_head)
-        for a, part in enumerate(out_rows.split(sizes, dim=-1))
-    ]
+    return out_rows.view(*out_rows.shape[:-1], n_heads, d_head, (n_heads // 2 + 1) * d_head)
+
+
+@memoized("core.messages.pair_index", maxsize=8)
+def _pair_index(n_heads: int, device: torch.device) -> Tensor:
+    """``[H H]``: where ``G[a, b]`` lies among the products ``[head a, shift k]`` of
+    `_value_grams` (flattened), ``G[a, (a + k) mod H]`` for ``k <= H // 2``.
+
+    ``(a, b)`` reads ``(a, k)`` with ``k = (b - a) mod H`` where ``2 k < H``, else ``(b, H -
+    k)`` (the same pair from ``b``); for ``2 k = H`` both heads hold the pair, and both
+    ``(a, b)`` and ``(b, a)`` read the lower head's: the Gram is exactly symmetric.
+
+    >>> _pair_index(3, torch.device("cpu")).view(3, 3)
+    tensor([[0, 1, 5],
+            [1, 2, 3],
+            [5, 3, 4]])
+    """
+    n_shift = n_heads // 2 + 1
+    heads = torch.arange(n_heads)
+    a, b = heads[:, None], heads[None, :]
+    k = (b - a) % max(1, n_heads)
+    index = torch.where(2 * k < n_heads, a * n_shift + k, b * n_shift + (n_heads - k))
+    index = torch.where(2 * k == n_heads, torch.minimum(a, b) * n_shift + k, index)
+    return index.flatten().to(device)
 
 
 def message_grams(
@@ -259,18 +284,23 @@ def _value_grams(
             grams[..., block, :, :] = part
         assert grams is not None
         return grams
-    gram_rows = row_blocks(out_rows.to(rows_like), n_heads, d_head)
+    blocks = row_blocks(out_rows.to(rows_like), n_heads, d_head)
+    n_shift = n_heads // 2 + 1
+    index = _pair_index(n_heads, rows_like.device)
     grams = None
-    # per row and copy: its values, one head's pair forms and their product with the values
-    # (each at most H d_head) at a time, within the chunk budget: every draw, sequence and
-    # stacked layer of a block in the same product (a loop over heads only)
-    for block in query_chunks(n_rows, copies * 3 * n_heads * d_head):
+    # per row and copy: the products of every head with its H // 2 + 1 partners, beside the
+    # values, their copy with the partners' heads wrapped around and the product's operands
+    # (each at most H d_head): one batched product per block of rows for every head, draw,
+    # sequence and stacked layer
+    for block in query_chunks(n_rows, copies * (n_shift + 4) * n_heads * d_head):
         v = values_of(block).unflatten(-1, (n_heads, d_head))
         if grams is None:
             grams = v.new_empty(*v.shape[:-3], n_rows, n_heads, n_heads)
-        for a, rows in enumerate(gram_rows):
-            pair = (v[..., a, :] @ rows).unflatten(-1, (n_heads - a, d_head))
-            grams[..., block, a, a:] = (pair * v[..., a:, :]).sum(-1)
+        # forms[..., j, a, k, :] = v^a_j W_O^a W_O^b^T, b = (a + k) mod H
+        forms = einsum(v, blocks, "... row a p, ... a p e -> ... row a e")
+        wrapped = torch.cat([v, v[..., : n_shift - 1, :]], dim=-2)
+        partners = wrapped.unfold(-2, n_shift, 1)  # [..., row, a, d_head, k]: v^b_j
+        pairs = forms.unflatten(-1, (n_shift, d_head)).mul_(partners.mT).sum(-1)
+        grams[..., block, :, :] = pairs.flatten(-2)[..., index].unflatten(-1, (n_heads, n_heads))
     assert grams is not None
-    upper = torch.ones(n_heads, n_heads, dtype=torch.bool, device=grams.device).triu()
-    return torch.where(upper, grams, grams.mT)  # G_j[b,a] = G_j[a,b]
+    return grams
