@@ -91,6 +91,25 @@ def test_negative_layer_counts_from_the_end(gpt2):
         unchecked_connection_walk(cache, "1")
 
 
+@pytest.mark.parametrize("mask", [False, True])
+def test_connection_walks_are_each_layers_connection_walk(gpt2, mask):
+    """A group of layers built at once (their padding read together) equals each layer's
+    `connection_walk`, on a left-padded batch, with its mask or with the padding detected."""
+    toks = tokens()
+    attention_mask = torch.ones_like(toks)
+    attention_mask[0, :3] = 0
+    _, cache = gpt2.run_with_cache(toks, attention_mask=attention_mask)
+    given = attention_mask if mask else None
+    walks = tl_connwalk.cache.connection_walks(cache, [1, 0], attention_mask=given)
+    for walk, layer in zip(walks, [1, 0], strict=True):
+        alone = tl_connwalk.connection_walk(cache, layer, attention_mask=given)
+        assert walk.layer == layer
+        assert torch.equal(walk.attention_mask, alone.attention_mask)
+        assert torch.equal(walk.attention_mask[0], torch.arange(9) >= 3)
+        for name in ("walk", "gates", "field", "W_V", "W_O"):
+            assert torch.equal(getattr(walk, name), getattr(alone, name)), name
+
+
 def test_unsupported_model_is_named():
     cache = ActivationCache({}, nn.Linear(2, 2))
     with pytest.raises(

@@ -14,7 +14,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformer_lens import ActivationCache
 
-from tl_connwalk.cache import connection_walk, n_layers_of, walk_matrix
+from tl_connwalk.cache import connection_walks, n_layers_of, walk_matrix
 from tl_connwalk.core import markov, padding
 from tl_connwalk.core.isometry import query_chunks
 from tl_connwalk.core.walk import check_heads
@@ -136,14 +136,19 @@ def geometry_table(
     walks: dict[int, ConnectionWalk] = {}
     names: dict[int, tuple[int, ...]] = {}  # the heads measured, per layer
 
-    def walk_of(layer: int) -> ConnectionWalk:
-        # consecutive layers share walks (drift to the next); build each one once
-        if layer not in walks:
-            walk = connection_walk(cache, layer, attention_mask=attention_mask)
+    def build(layers: Sequence[int]) -> None:
+        # consecutive layers share walks (drift to the next); build each one once, those of a
+        # group together (their padding read at once)
+        missing = [layer for layer in dict.fromkeys(layers) if layer not in walks]
+        built = connection_walks(cache, missing, attention_mask=attention_mask)
+        for layer, walk in zip(missing, built, strict=True):
             if heads is not None:
                 names[layer] = check_heads(heads, walk.n_heads)
                 walk = walk.of_heads(heads)
             walks[layer] = walk
+
+    def walk_of(layer: int) -> ConnectionWalk:
+        build([layer])
         return walks[layer]
 
     def given(layer: int) -> LaplacianResidual | None:
@@ -178,6 +183,7 @@ def geometry_table(
         for layer in [*walks]:  # no longer needed: keep memory at the group and the next layer
             if layer not in group_layers:
                 walks.pop(layer)
+        build([*group_layers, *[layer + 1 for layer in group_layers if layer + 1 < n_layers]])
         found = {layer: given(layer) for layer in group_layers}
         measure = [layer for layer in group_layers if found[layer] is None]
         measured = ConnectionWalk.laplacian_residuals(

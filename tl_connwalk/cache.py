@@ -111,6 +111,28 @@ def connection_walk(
     return adapter.walk_from_cache(cache, model, layer).with_padding(attention_mask)
 
 
+def connection_walks(
+    cache: ActivationCache,
+    layers: Iterable[int],
+    model: nn.Module | None = None,
+    *,
+    attention_mask: Tensor | None = None,
+) -> list[ConnectionWalk]:
+    """`connection_walk` of each of ``layers``, the same walks, their padding read (or the
+    ``attention_mask`` checked) for all of them at once
+    (`tl_connwalk.core.padding.positions_of_walks`): what `geometry_table` builds a group of
+    layers with.
+
+    >>> [walk.layer for walk in tl_connwalk.cache.connection_walks(cache, [0, -1])]
+    [0, 1]
+    """
+    built = []
+    for layer in layers:
+        model, adapter, resolved = _checked(cache, layer, model)
+        built.append(adapter.walk_from_cache(cache, model, resolved))
+    return ConnectionWalk.with_paddings(built, attention_mask)
+
+
 def walk_matrix(
     cache: ActivationCache,
     layer: int,

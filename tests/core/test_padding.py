@@ -69,6 +69,50 @@ def test_checked_mask() -> None:
         padding.checked_mask(walk, torch.zeros(1, 5))
 
 
+def _same_positions(got, expected) -> bool:
+    return all(
+        (g is None and e is None) or (g is not None and e is not None and torch.equal(g, e))
+        for g, e in zip(got, expected, strict=True)
+    )
+
+
+def test_positions_of_walks_are_those_of_each_walk_alone() -> None:
+    """Several layers' walks read at once: left-, right-, un-padded and uniform pad rows, each
+    walk's positions those `positions_of` reads off it alone, with and without a mask."""
+    batch = [
+        torch.cat([left_padded(causal_walk(4, seed), 2, rows), causal_walk(6, seed)[None, 0]])
+        for seed, rows in enumerate(["zero", "uniform", "zero"])
+    ]
+    right = torch.zeros(2, 6, 6)
+    right[:, :4, :4] = causal_walk(4, 7)
+    walks = [*batch, torch.cat([causal_walk(6, 3), causal_walk(6, 4)]), right]
+    assert _same_positions(
+        padding.positions_of_walks(walks, None), [padding.positions_of(w, None) for w in walks]
+    )
+    got = padding.positions_of_walks(walks[:3], None)
+    assert got[0].tolist() == [[False, False, True, True, True, True], [True] * 6]
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    assert _same_positions(
+        padding.positions_of_walks(walks[:3], mask),
+        [padding.positions_of(w, mask) for w in walks[:3]],
+    )
+    assert padding.positions_of_walks(walks[3:4], torch.ones(2, 6)) == [None]
+
+
+def test_positions_of_walks_raise_the_error_of_the_first_walk_in_error() -> None:
+    good, bad = causal_walk(5), causal_walk(5)
+    bad[:, :, 2] = 0.0
+    with pytest.raises(ConnWalkError, match="key 2 of sequence 0 .* pass the attention_mask"):
+        padding.positions_of_walks([good, bad, good], None)
+    leaky = left_padded(causal_walk(3), 2, "uniform")
+    with pytest.raises(ConnWalkError, match="padding, but the real query 0"):
+        padding.positions_of_walks([leaky, leaky], torch.tensor([[1, 1, 0, 1, 1]]))
+    with pytest.raises(ConnWalkError, match="no real position in sequence 0"):
+        padding.positions_of_walks([leaky, leaky], torch.zeros(1, 5))
+    with pytest.raises(ConnWalkError, match="share one"):
+        padding.positions_of_walks([good, causal_walk(4)], None)
+
+
 def test_scope_is_one_mask() -> None:
     positions = torch.tensor([[False, True, True, True]])
     shape, cpu = torch.Size([1, 4, 4]), torch.device("cpu")

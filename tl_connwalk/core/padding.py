@@ -16,7 +16,7 @@ Padding is then one edge mask like any other (`real_edges`): a measurement keeps
 between real positions, and a user's edge mask (`resolve_edges`) is intersected with it.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from einops import rearrange, reduce
@@ -47,6 +47,30 @@ def detect_padding(walk: Float[Tensor, "batch query key"]) -> Bool[Tensor, "batc
     """
     if walk.ndim != 3 or walk.shape[1] != walk.shape[2]:
         raise ConnWalkError(f"walk must be [batch, query, key], got {tuple(walk.shape)}.")
+    real, unattended = _real_and_unattended(walk)
+    if not bool(real.any(-1).all()):
+        b = int((~real.any(-1)).nonzero()[0])
+        raise ConnWalkError(
+            f"sequence {b} of the batch has no position that a real token attends to: cannot "
+            "tell its padding; pass the attention_mask the model ran with."
+        )
+    stray = unattended & real
+    if bool(stray.any()):
+        b, j = (int(v) for v in stray.nonzero()[0])
+        raise ConnWalkError(
+            f"key {j} of sequence {b} receives no attention from any query in any head, but it "
+            "is not at either end of the sequence, so it is not padding and cannot be told "
+            "from a masked token; pass the attention_mask the model ran with (all ones if "
+            "every position is a real token)."
+        )
+    return None if bool(real.all()) else real
+
+
+def _real_and_unattended(
+    walk: Float[Tensor, "batch query key"],
+) -> tuple[Bool[Tensor, "batch pos"], Bool[Tensor, "batch pos"]]:
+    """The positions `detect_padding` takes for real tokens, and the keys no query attends to
+    (every real one among them is an error there), before any check."""
     n_pos = walk.shape[-1]
     present = walk > 0
     index = torch.arange(n_pos, device=walk.device)
@@ -67,22 +91,7 @@ def detect_padding(walk: Float[Tensor, "batch query key"]) -> Bool[Tensor, "batc
     # trailing run of unattended keys: right padding
     trailing = unattended.flip(-1).to(torch.int64).cumprod(-1).flip(-1).bool()
     real = (index[None, :] >= left[:, None]) & ~trailing
-    if not bool(real.any(-1).all()):
-        b = int((~real.any(-1)).nonzero()[0])
-        raise ConnWalkError(
-            f"sequence {b} of the batch has no position that a real token attends to: cannot "
-            "tell its padding; pass the attention_mask the model ran with."
-        )
-    stray = unattended & real
-    if bool(stray.any()):
-        b, j = (int(v) for v in stray.nonzero()[0])
-        raise ConnWalkError(
-            f"key {j} of sequence {b} receives no attention from any query in any head, but it "
-            "is not at either end of the sequence, so it is not padding and cannot be told "
-            "from a masked token; pass the attention_mask the model ran with (all ones if "
-            "every position is a real token)."
-        )
-    return None if bool(real.all()) else real
+    return real, unattended
 
 
 def _last_true(present: Tensor, axis: int) -> Tensor:
@@ -105,15 +114,7 @@ def checked_mask(
     >>> checked_mask(W, torch.tensor([[0, 1]]))
     tensor([[False,  True]])
     """
-    if not isinstance(attention_mask, Tensor):
-        raise ConnWalkError(
-            f"attention_mask must be a [batch, pos] tensor, got {type(attention_mask).__name__}."
-        )
-    if tuple(attention_mask.shape) != tuple(walk.shape[:2]):
-        raise ConnWalkError(
-            f"attention_mask {tuple(attention_mask.shape)} must be [batch, pos] = "
-            f"{tuple(walk.shape[:2])}, the batch and positions of the cache."
-        )
+    _check_mask_shape(attention_mask, walk.shape)
     real = attention_mask.to(walk.device) != 0
     if not bool(real.any(-1).all()):
         b = int((~real.any(-1)).nonzero()[0])
@@ -127,6 +128,19 @@ def checked_mask(
             "the model ran with."
         )
     return None if bool(real.all()) else real
+
+
+def _check_mask_shape(attention_mask: object, shape: torch.Size) -> None:
+    """A ConnWalkError unless ``attention_mask`` is a tensor of the walk's ``[batch, pos]``."""
+    if not isinstance(attention_mask, Tensor):
+        raise ConnWalkError(
+            f"attention_mask must be a [batch, pos] tensor, got {type(attention_mask).__name__}."
+        )
+    if tuple(attention_mask.shape) != tuple(shape[:2]):
+        raise ConnWalkError(
+            f"attention_mask {tuple(attention_mask.shape)} must be [batch, pos] = "
+            f"{tuple(shape[:2])}, the batch and positions of the cache."
+        )
 
 
 def real_edges(positions: Bool[Tensor, "batch pos"]) -> Bool[Tensor, "batch query key"]:
@@ -258,3 +272,47 @@ def positions_of(
     if attention_mask is None:
         return detect_padding(walk)
     return checked_mask(walk, attention_mask)
+
+
+def positions_of_walks(
+    walks: Sequence[Float[Tensor, "batch query key"]], attention_mask: Tensor | None
+) -> list[Bool[Tensor, "batch pos"] | None]:
+    """`positions_of` of each of several walks of one shape (the layers of one cache), read
+    in one pass over all of them with one synchronisation; where a walk's padding is in
+    error, the ConnWalkError of `positions_of` on that walk (the first such walk's).
+    ``O(len(walks) batch n^2)``.
+
+    >>> left_pad = torch.tensor([[[0.0, 0.0], [0.0, 1.0]]])
+    >>> positions_of_walks([left_pad, torch.tensor([[[1.0, 0.0], [0.5, 0.5]]])], None)
+    [tensor([[False,  True]]), None]
+    """
+    if not walks:
+        return []
+    shape = walks[0].shape
+    if len(shape) != 3 or shape[1] != shape[2] or any(w.shape != shape for w in walks):
+        raise ConnWalkError(
+            "walks must share one [batch, query, key] shape, got "
+            f"{sorted({tuple(w.shape) for w in walks})}."
+        )
+    if len(walks) == 1 or any(w.is_meta for w in walks):
+        return [positions_of(walk, attention_mask) for walk in walks]
+    n_walks, batch = len(walks), shape[0]
+    stacked = torch.cat(list(walks))  # [walk batch, query, key]
+    if attention_mask is None:
+        real, unattended = _real_and_unattended(stacked)
+        bad = (~real.any(-1) | (unattended & real).any(-1)).view(n_walks, batch).any(-1)
+        all_real = real.view(n_walks, -1).all(-1)
+        per_walk = real.split(batch)
+    else:
+        _check_mask_shape(attention_mask, shape)
+        given = attention_mask.to(stacked.device) != 0
+        outside = given[:, :, None] & ~given[:, None, :]  # a real query to a padding key
+        leaks = (stacked.view(n_walks, *shape) > 0) & outside
+        bad = leaks.flatten(1).any(-1) | ~given.any(-1).all()
+        all_real = given.all().expand(n_walks)
+        per_walk = (given,) * n_walks
+    flags = torch.cat([bad, all_real]).tolist()
+    for walk, failed in zip(walks, flags[:n_walks], strict=True):
+        if failed:
+            positions_of(walk, attention_mask)  # raises this walk's error
+    return [None if flags[n_walks + k] else positions for k, positions in enumerate(per_walk)]

@@ -166,6 +166,24 @@ class ConnectionWalk:
             return self
         return dataclasses.replace(self, attention_mask=positions)
 
+    @staticmethod
+    def with_paddings(
+        walks: Sequence["ConnectionWalk"], attention_mask: Tensor | None = None
+    ) -> list["ConnectionWalk"]:
+        """`with_padding` of each of several walks of one batch (the layers of one cache),
+        their padding read in one pass (`tl_connwalk.core.padding.positions_of_walks`).
+
+        >>> [w.attention_mask for w in ConnectionWalk.with_paddings([walk, walk])]
+        [None, None]
+        """
+        found = padding.positions_of_walks([walk.walk for walk in walks], attention_mask)
+        return [
+            walk
+            if positions is None and walk.attention_mask is None
+            else dataclasses.replace(walk, attention_mask=positions)
+            for walk, positions in zip(walks, found, strict=True)
+        ]
+
     def of_heads(self, heads: Sequence[int]) -> "ConnectionWalk":
         """The connection walk of the heads ``heads`` alone (spec §1.2 on that subset ``S``).
 
