@@ -1,7 +1,9 @@
 """layer_drift and geometry_table over a whole cache."""
 
 import itertools
+import math
 
+import pytest
 import torch
 
 import tl_connwalk
@@ -45,6 +47,30 @@ def test_geometry_table_is_tidy():
     row = table[(table["layer"] == 1) & (table["head"] == "all")].iloc[0]
     assert row["transport_defect"] == layer_1.transport_defect.mean().item()
     assert row["pairing"] != row["pairing"]  # NaN: causal walks have no pairing
+
+
+@pytest.mark.parametrize("scoped", [False, True])
+def test_geometry_table_drift_is_layer_drift_of_each_pair(scoped):
+    """The table measures the drift of every layer of a group at once; each layer's is
+    `layer_drift`'s column on a left-padded batch, with and without sink and edge scoping,
+    and for a chosen set of layers that are not consecutive."""
+    model = random_bridge("llama", n_layers=5)
+    toks = tokens()
+    mask = torch.ones_like(toks)
+    mask[1, :2] = 0
+    _, cache = model.run_with_cache(toks, attention_mask=mask)
+    options = {"exclude_sink": True, "edges": lambda q, k: k < q} if scoped else {}
+    drift = tl_connwalk.layer_drift(cache, attention_mask=mask, **options)
+    for layers in (None, [3, 0, 1, 4]):
+        table = tl_connwalk.geometry_table(
+            cache, layers, baseline_draws=2, progress=False, attention_mask=mask, **options
+        )
+        rows = table[table["head"] == "all"].set_index("layer")["drift_to_next"]
+        for layer, value in rows.items():
+            if layer == 4:
+                assert math.isnan(value)
+            else:
+                assert value == pytest.approx(drift[:, layer].mean().item(), rel=1e-6)
 
 
 def test_cache_methods_after_attach():

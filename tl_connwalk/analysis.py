@@ -87,6 +87,37 @@ def _drift(
     return markov.layer_drift(walk_a, walk_b, exclude_sink=drop_sink, edges=mask)
 
 
+def _drifts(
+    pairs: Sequence[tuple[_Padded, _Padded]],
+    exclude_sink: bool,
+    edges: padding.EdgeMask | None,
+) -> list[Tensor]:
+    """`_drift` of several pairs of layers of one cache, their walks side by side along the
+    batch axis in one `markov.layer_drift` (operations that do not grow with the number of
+    pairs) where every layer has the same padding; else pair by pair, which names the pair
+    whose layers disagree."""
+    if len(pairs) < 2:
+        return [_drift(before, after, exclude_sink, edges) for before, after in pairs]
+    reals = [padded[1] for pair in pairs for padded in pair]
+    first, given = reals[0], [real for real in reals if real is not None]
+    if first is None:
+        same = not given
+    else:
+        same = len(given) == len(reals) and bool(
+            (torch.stack([real.to(first) for real in given]) == first).all()
+        )
+    if not same:
+        return [_drift(before, after, exclude_sink, edges) for before, after in pairs]
+    walk_a = torch.cat([before[0] for before, _ in pairs])
+    walk_b = torch.cat([after[0].to(walk_a.device) for _, after in pairs])
+    shape = pairs[0][0][0].shape
+    mask, drop_sink = padding.scope(first, edges, exclude_sink, shape, walk_a.device)
+    if mask is not None:
+        mask = mask.repeat(len(pairs), 1, 1)
+    drift = markov.layer_drift(walk_a, walk_b, exclude_sink=drop_sink, edges=mask)
+    return list(drift.view(len(pairs), shape[0]).unbind())
+
+
 def geometry_table(
     cache: ActivationCache,
     layers: Iterable[int] | None = None,
@@ -151,6 +182,10 @@ def geometry_table(
         build([layer])
         return walks[layer]
 
+    def padded_of(layer: int) -> _Padded:
+        walk = walk_of(layer)
+        return walk.walk, walk.attention_mask, layer
+
     def given(layer: int) -> LaplacianResidual | None:
         if residuals is None or layer not in residuals:
             return None
@@ -192,18 +227,16 @@ def geometry_table(
         )  # fmt: skip
         results = {layer: res for layer, res in found.items() if res is not None}
         results |= dict(zip(measure, measured, strict=True))
+        # the drift to the next layer, for every layer of the group that has one, at once
+        drifting = [layer for layer in group_layers if layer + 1 < n_layers]
+        drifts = _drifts(
+            [(padded_of(layer), padded_of(layer + 1)) for layer in drifting],
+            exclude_sink,
+            edges,
+        )
+        drift_of = dict(zip(drifting, drifts, strict=True))
         for layer in group_layers:
-            walk = walk_of(layer)
-            drift = None
-            if layer + 1 < n_layers:
-                following = walk_of(layer + 1)
-                drift = _drift(
-                    (walk.walk, walk.attention_mask, layer),
-                    (following.walk, following.attention_mask, layer + 1),
-                    exclude_sink,
-                    edges,
-                )
-            rows += _layer_rows(layer, results[layer], drift, names.get(layer))
+            rows += _layer_rows(layer, results[layer], drift_of.get(layer), names.get(layer))
             bar.update()
     bar.close()
     return pd.DataFrame(rows)
