@@ -23,6 +23,7 @@ from tl_connwalk.core import isometry as iso
 from tl_connwalk.core import reference as ref
 from tl_connwalk.core._fast import chunks, quartic
 from tl_connwalk.core._fast import edges as fast_edges
+from tl_connwalk.core.checks import abs_maxes
 from tl_connwalk.core.walk import gates as split_gates
 from tl_connwalk.core.walk import walk_matrix
 from tl_connwalk.errors import ConnWalkError
@@ -395,6 +396,19 @@ def test_singular_value_defects_are_scale_and_order_invariant(sigma, scale, data
 
 
 # --- helpers ---------------------------------------------------------------------------
+
+
+def test_abs_maxes_are_each_abs_max_read_at_once():
+    tensors = [torch.randn(3, 4, dtype=F64).T, torch.zeros(0), -torch.rand(5), torch.ones(2, 2)]
+    tensors[3][0, 1] = float("nan")
+    peaks = abs_maxes(tensors)
+    assert (
+        peaks[:3]
+        == [iso.abs_max(t) for t in tensors[:3]]
+        == [float(tensors[0].abs().max()), 0.0, float(tensors[2].abs().max())]
+    )
+    assert math.isnan(peaks[3])
+    assert abs_maxes([]) == []
 
 
 def test_abs_max_reads_any_layout_in_memory_order():

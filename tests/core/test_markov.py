@@ -216,6 +216,27 @@ def test_pairing_residual_matches_dense_transports(heads):
     torch.testing.assert_close(sink.residual, expected_sink, rtol=0, atol=PAIRING_ATOL)
 
 
+def test_stacked_pairing_residuals_are_each_walks():
+    """Three walks (two bidirectional, one causal) with their own heads, in one pass: each
+    equals `pairing_residual` of that walk alone, with and without an edge mask."""
+    problems = [random_problem(heads=3, seed=s, causal=s == 2) for s in range(3)]
+    walks = torch.stack([walk_matrix(p[0]) for p in problems])
+    gates = torch.stack([split_gates(p[0]) for p in problems])
+    heads = [(p[2], p[3]) for p in problems]
+    edges = torch.rand(walks.shape, generator=torch.Generator().manual_seed(3)) > 0.3
+    for mask in (None, edges):
+        stacked = markov.pairing_residuals(walks, gates, heads, edges=mask)
+        for k, result in enumerate(stacked):
+            alone = markov.pairing_residual(
+                walks[k], gates[k], *heads[k], edges=None if mask is None else mask[k]
+            )
+            assert torch.equal(result.applicable, alone.applicable)
+            torch.testing.assert_close(result.residual, alone.residual, rtol=0, atol=PAIRING_ATOL)
+    assert stacked[2].applicable.tolist() == [False, False]
+    with pytest.raises(ConnWalkError, match="per walk: 2 for 3 walks"):
+        markov.pairing_residuals(walks, gates, heads[:2])
+
+
 def test_pairing_zero_for_transpose_paired_transports():
     _, _, W_V, _ = random_problem(heads=3)
     W_O = W_V.mT.contiguous()  # T^h symmetric

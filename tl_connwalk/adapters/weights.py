@@ -3,7 +3,7 @@
 import torch
 from torch import Tensor
 
-from tl_connwalk.core.checks import abs_max
+from tl_connwalk.core.checks import abs_maxes
 from tl_connwalk.core.value_heads import expand_value_heads, grouped_value_heads
 
 
@@ -22,8 +22,9 @@ def inferred_processing(W_O: Tensor, b_V: Tensor | None) -> dict[str, bool]:
     mean zero over ``d_model`` (to float rounding); value biases folded means ``b_V`` is zero or
     absent.
     """
-    scale = max(abs_max(W_O), torch.finfo(W_O.dtype).tiny)
+    peaks = abs_maxes([W_O, W_O.mean(-1), *([] if b_V is None else [b_V])])  # one transfer
+    scale = max(peaks[0], torch.finfo(W_O.dtype).tiny)
     return {
-        "center_writing_weights": abs_max(W_O.mean(-1)) <= 1e-6 * scale,
-        "fold_value_biases": b_V is None or bool((b_V == 0).all()),
+        "center_writing_weights": peaks[1] <= 1e-6 * scale,
+        "fold_value_biases": b_V is None or peaks[2] == 0.0,
     }

@@ -1,6 +1,8 @@
 """Checks of the math core's inputs, one home for all: each raises a `ConnWalkError` that says
 what was wrong and how to fix it, or casts to the working precision (float32 or wider)."""
 
+from collections.abc import Sequence
+
 import torch
 from jaxtyping import Float
 from torch import Tensor
@@ -141,6 +143,8 @@ def in_memory_order(tensor: Tensor) -> Tensor:
     >>> in_memory_order(torch.ones(3, 4).T).is_contiguous()
     True
     """
+    if tensor.is_contiguous():
+        return tensor
     order = sorted(range(tensor.ndim), key=lambda axis: -tensor.stride()[axis])
     permuted = tensor.permute(order)
     return permuted if permuted.is_contiguous() else tensor
@@ -153,10 +157,32 @@ def abs_max(tensor: Tensor) -> float:
     >>> abs_max(torch.tensor([[-3.0, 2.0]]).T)
     3.0
     """
-    if tensor.numel() == 0:
-        return 0.0
-    low, high = torch.aminmax(in_memory_order(tensor.detach()))
-    return float(torch.maximum(-low, high))
+    return abs_maxes([tensor])[0]
+
+
+def abs_maxes(tensors: Sequence[Tensor]) -> list[float]:
+    """`abs_max` of each tensor, read off the device at once: one synchronisation per device
+    for all of them (not one per tensor), one reduction per tensor.
+
+    >>> abs_maxes([torch.tensor([-3.0, 2.0]), torch.zeros(0), torch.tensor([0.5])])
+    [3.0, 0.0, 0.5]
+    """
+    peaks = [0.0] * len(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        if tensor.numel() > 0:
+            by_device.setdefault(tensor.device, []).append(index)
+    with torch.no_grad():  # no graph of the reductions, and no detached copies to record
+        for indices in by_device.values():
+            pairs = [torch.aminmax(in_memory_order(tensors[i])) for i in indices]
+            if len(pairs) == 1:
+                low, high = pairs[0]
+            else:
+                low, high = (torch.stack(ends) for ends in zip(*pairs, strict=True))
+            values = torch.maximum(-low, high).reshape(-1).tolist()
+            for index, value in zip(indices, values, strict=True):
+                peaks[index] = float(value)
+    return peaks
 
 
 def check_flag(value: object, name: str) -> bool:

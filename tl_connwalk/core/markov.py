@@ -13,6 +13,7 @@ wider, like the rest of the core.
 """
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Literal, get_args
 
 import torch
@@ -381,25 +382,37 @@ def edge_pairing_residuals(
             f"got {tuple(gates.shape)}."
         )
     check_chunk(query_chunk)
+    return _stacked_edge_pairing(gates[None], K2[None], KM[None], query_chunk)[0]
+
+
+def _stacked_edge_pairing(
+    gates: Float[Tensor, "stack batch head query key"],
+    K2: Float[Tensor, "stack head head"],
+    KM: Float[Tensor, "stack head head"],
+    query_chunk: int | None,
+) -> Float[Tensor, "stack batch query key"]:
+    """`edge_pairing_residuals` of stacked walks, each with its own ``K2`` and ``KM``, in one
+    pass: the same operations for any number of walks."""
     dtype = working_dtype(gates, K2, KM)
     gates, K2, KM = (t.to(device=gates.device, dtype=dtype) for t in (gates, K2, KM))
-    batch, _, n_query, n_key = gates.shape
-    norm_sq = gates.new_empty(batch, n_query, n_key)
-    cross = gates.new_empty(batch, n_query, n_key)
-    for rows in query_chunks(n_query, batch * n_heads * n_key, query_chunk):
-        g = gates[:, :, rows]
-        reverse = rearrange(gates[:, :, :, rows], "batch head key query -> batch head query key")
-        mixed = einsum(g, K2, "batch a query key, a b -> batch b query key")
-        norm_sq[:, rows] = einsum(
-            mixed, g, "batch b query key, batch b query key -> batch query key"
+    stack, batch, n_heads, n_query, n_key = gates.shape
+    norm_sq = gates.new_empty(stack, batch, n_query, n_key)
+    cross = gates.new_empty(stack, batch, n_query, n_key)
+    per_query = stack * batch * n_heads * n_key
+    for rows in query_chunks(n_query, per_query, query_chunk):
+        g = gates[..., rows, :]
+        reverse = rearrange(gates[..., rows], "s batch head key query -> s batch head query key")
+        mixed = einsum(g, K2, "s batch a query key, s a b -> s batch b query key")
+        norm_sq[..., rows, :] = einsum(
+            mixed, g, "s batch b query key, s batch b query key -> s batch query key"
         )
-        mixed = einsum(g, KM, "batch a query key, a b -> batch b query key")
-        cross[:, rows] = einsum(
-            mixed, reverse, "batch b query key, batch b query key -> batch query key"
+        mixed = einsum(g, KM, "s batch a query key, s a b -> s batch b query key")
+        cross[..., rows, :] = einsum(
+            mixed, reverse, "s batch b query key, s batch b query key -> s batch query key"
         )
     norm_sq.mul_(n_heads**2)
     cross.mul_(n_heads**2)
-    norm_sq_reverse = rearrange(norm_sq, "batch query key -> batch key query")
+    norm_sq_reverse = norm_sq.mT
     gap = (norm_sq + norm_sq_reverse - 2 * cross).clamp_min(0.0)
     denom = torch.where(norm_sq > 0, norm_sq, norm_sq_reverse)
     return torch.where(denom > 0, gap / torch.where(denom > 0, denom, 1.0), 0.0).sqrt()
@@ -451,26 +464,73 @@ def pairing_residual(
     ...                  torch.randn(2, 4, 8)).applicable
     tensor([True])
     """
-    walk64 = _check_walk(walk)
-    if gates.shape[:1] + gates.shape[2:] != walk64.shape:
+    if walk.ndim != 3:
+        raise ConnWalkError(f"walk must be [batch, query, key], got {tuple(walk.shape)}.")
+    if gates.ndim != 4 or gates.shape[:1] + gates.shape[2:] != walk.shape:
         raise ConnWalkError(
-            f"gates {tuple(gates.shape)} and walk {tuple(walk64.shape)} disagree: need "
+            f"gates {tuple(gates.shape)} and walk {tuple(walk.shape)} disagree: need "
             "gates [batch, head, query, key] and walk [batch, query, key]."
         )
+    return pairing_residuals(
+        walk[None], gates[None], [(W_V, W_O)], exclude_sink=exclude_sink,
+        query_chunk=query_chunk, edges=None if edges is None else edges[None],
+    )[0]  # fmt: skip
+
+
+def pairing_residuals(
+    walk: Float[Tensor, "stack batch query key"],
+    gates: Float[Tensor, "stack batch head query key"],
+    heads: Sequence[tuple[Tensor, Tensor]],
+    *,
+    exclude_sink: bool = False,
+    query_chunk: int | None = None,
+    edges: Bool[Tensor, "stack batch query key"] | None = None,
+) -> list[PairingResidual]:
+    """`pairing_residual` of each of stacked walks of one shape (the layers of a model, say),
+    each with its own head weights ``heads[s] = (W_V, W_O)``.
+
+    The checks, the test of applicability (one synchronisation) and the per-edge residuals
+    run once on the stack, not once per walk; the head Grams are made only where some walk
+    has a pair of edges both ways.
+
+    >>> A = torch.softmax(torch.randn(3, 1, 2, 4, 4), -1)
+    >>> heads = [(torch.randn(2, 8, 4), torch.randn(2, 4, 8))] * 3
+    >>> [p.residual.shape for p in pairing_residuals(A.mean(2), A / A.sum(2, keepdim=True), heads)]
+    [torch.Size([1]), torch.Size([1]), torch.Size([1])]
+    """
+    if walk.ndim != 4 or gates.ndim != 5 or gates.shape[:2] + gates.shape[3:] != walk.shape:
+        raise ConnWalkError(
+            f"gates {tuple(gates.shape)} and walk {tuple(walk.shape)} disagree: need "
+            "gates [stack, batch, head, query, key] and walk [stack, batch, query, key]."
+        )
+    if len(heads) != walk.shape[0]:
+        raise ConnWalkError(
+            f"heads must give (W_V, W_O) per walk: {len(heads)} for {walk.shape[0]} walks."
+        )
+    stack, batch = walk.shape[:2]
+    walk64 = _check_walk(walk.flatten(0, 1))
     present = walk64 > 0
     both = present & rearrange(present, "batch query key -> batch key query")
     if edges is not None:  # the pair must exist both ways in the walk, the edge in the mask
-        both = both & edges.to(both.device)
+        both = both & edges.flatten(0, 1).to(both.device)
     off_diagonal = ~torch.eye(walk64.shape[-1], dtype=torch.bool, device=walk64.device)
     applicable = rearrange(both & off_diagonal, "batch query key -> batch (query key)").any(-1)
-    check_heads(W_V, W_O)
-    check_gates(gates, W_V.shape[0])
+    for W_V, W_O in heads:
+        check_heads(W_V, W_O)
+        if W_V.shape[0] != gates.shape[2]:
+            check_gates(gates[0], W_V.shape[0])
     check_chunk(query_chunk)
+    applicable = applicable.view(stack, batch)
     if not bool(applicable.any()):  # causal: nothing to measure, so no Gram work either
         zeros = torch.zeros(applicable.shape, dtype=working_dtype(walk), device=walk.device)
-        return PairingResidual(zeros, applicable)
-    residual = edge_pairing_residuals(
-        gates, head_gram(W_V, W_O), head_mixed_gram(W_V, W_O), query_chunk=query_chunk
+        return [PairingResidual(*pair) for pair in zip(zeros, applicable, strict=True)]
+    K2, KM = (
+        torch.stack([gram(W_V, W_O).to(gates.device) for W_V, W_O in heads])
+        for gram in (head_gram, head_mixed_gram)
     )
-    mean = walk_weighted_mean(walk, residual, exclude_sink=exclude_sink, edges=both)
-    return PairingResidual(torch.where(applicable, mean, torch.zeros_like(mean)), applicable)
+    residual = _stacked_edge_pairing(gates, K2, KM, query_chunk)
+    mean = walk_weighted_mean(
+        walk.flatten(0, 1), residual.flatten(0, 1), exclude_sink=exclude_sink, edges=both
+    ).view(stack, batch)
+    residuals = torch.where(applicable, mean, torch.zeros_like(mean))
+    return [PairingResidual(*pair) for pair in zip(residuals, applicable, strict=True)]

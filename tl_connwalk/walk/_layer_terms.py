@@ -23,6 +23,7 @@ from tl_connwalk.core.caches import (
     layer_draws,
     stacked_draw_message_grams,
 )
+from tl_connwalk.core.checks import abs_maxes
 from tl_connwalk.errors import ConnWalkError
 
 
@@ -72,9 +73,22 @@ class Memo:
 
     def terms(self, walk: MeasuredWalk) -> "_LayerTerms":
         """The walk's `_LayerTerms`, made on first use and again after an in-place edit."""
-        if self._terms is None or self._terms.versions != _versions(walk):
-            self._terms = _LayerTerms(walk)
-        return self._terms
+        return Memo.terms_of([walk], [self])[0]
+
+    @staticmethod
+    def terms_of(walks: Sequence[MeasuredWalk], memos: Sequence["Memo"]) -> list["_LayerTerms"]:
+        """Each walk's `terms` from its memo, those to make made together: the unit scales of
+        all their fields and weights (`_unit_scaled`) are read off the device at once
+        (`tl_connwalk.core.checks.abs_maxes`), not one synchronisation per tensor."""
+        made = [
+            (walk, memo)
+            for walk, memo in zip(walks, memos, strict=True)
+            if memo._terms is None or memo._terms.versions != _versions(walk)
+        ]
+        peaks = abs_maxes([tensor for walk, _ in made for tensor in _scaled_inputs(walk)])
+        for index, (walk, memo) in enumerate(made):
+            memo._terms = _LayerTerms(walk, peaks[3 * index : 3 * index + 3])
+        return [memo._terms for memo in memos if memo._terms is not None]
 
     def clear(self) -> None:
         """Forget the terms (they are made again on the next call)."""
@@ -93,10 +107,14 @@ class _LayerTerms:
     memoised per ``(n_draws, seed)``.
     """
 
-    def __init__(self, walk: MeasuredWalk) -> None:
+    def __init__(self, walk: MeasuredWalk, peaks: Sequence[float]) -> None:
+        """``peaks``: ``max |t|`` of the walk's field, ``W_V`` and ``W_O`` (`_scaled_inputs`)."""
         self.versions = _versions(walk)
-        (self.field, _), (self.W_V, v_factor), (self.W_O, o_factor) = map(
-            _unit_scaled, (walk.field, walk.W_V, walk.W_O)
+        (self.field, _), (self.W_V, v_factor), (self.W_O, o_factor) = (
+            _unit_scaled(tensor, peak, name, walk.layer)
+            for tensor, peak, name in zip(
+                _scaled_inputs(walk), peaks, ("field", "W_V", "W_O"), strict=True
+            )
         )
         self.factor = v_factor * o_factor
         self.kv_heads = walk.kv_heads
@@ -207,20 +225,26 @@ def _versions(walk: MeasuredWalk) -> tuple[int, ...]:
     return tuple(-1 if t.is_inference() else t._version for t in (walk.field, walk.W_V, walk.W_O))
 
 
-def _unit_scaled(tensor: Tensor) -> tuple[Tensor, float]:
-    """``(c t, c)`` with ``c`` the power of two that brings ``max |t|`` nearest to 1.
+def _scaled_inputs(walk: MeasuredWalk) -> tuple[Tensor, Tensor, Tensor]:
+    """What `_LayerTerms` unit-scales: the walk's field, ``W_V`` and ``W_O``."""
+    return walk.field, walk.W_V, walk.W_O
+
+
+def _unit_scaled(tensor: Tensor, peak: float, name: str, layer: int | None) -> tuple[Tensor, float]:
+    """``(c t, c)`` with ``c`` the power of two that brings ``peak = max |t|`` nearest to 1.
 
     Every defect is invariant under scaling the field and the transports (spec §3), but the
     closed forms raise transport norms to the fourth power, which leaves float32's range for
     ``||T||_F`` beyond about 1e9 or below 1e-9. A power of two rescales without rounding
     error (the defects agree with the unscaled ones to the last bit or so); inputs whose
-    ``max |t|`` lies in ``[2^-8, 2^8]`` are used as they are, without a copy.
+    ``max |t|`` lies in ``[2^-8, 2^8]`` are used as they are, without a copy. A non-finite
+    ``peak`` is an error naming the input (``name``, of layer ``layer``).
     """
-    peak = isometry.abs_max(tensor)
     if not math.isfinite(peak):
+        where = "the walk's" if layer is None else f"layer {layer}'s"
         raise ConnWalkError(
-            f"a {tuple(tensor.shape)} input of the measurement has non-finite entries (NaN or "
-            "Inf); check the model's weights and the cached activations."
+            f"{where} {name} {tuple(tensor.shape)} has non-finite entries (NaN or Inf); check "
+            "the model's weights and the cached activations."
         )
     if peak == 0.0 or 2.0**-8 <= peak <= 2.0**8:
         return tensor, 1.0

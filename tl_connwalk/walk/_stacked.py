@@ -2,7 +2,8 @@
 
 `_Parts`: what the work needs of one walk. `_grouped`: the walks that stack (equal
 `_Parts.key`), measured group by group. `_stacked_means`: one group's transport defects in one
-pass over their stacked gates, field defects and Markov conditions with the walks side by side.
+pass over their stacked gates, field defects, pairing residuals and Markov conditions with the
+walks side by side.
 `_Means`: one walk's results, which `tl_connwalk.walk.residual` finishes into its
 `LaplacianResidual`.
 """
@@ -96,6 +97,8 @@ class _Means(NamedTuple):
     reversibility: markov.ReversibilityResidual
     stochasticity: Float[Tensor, " batch"]
     head_fields: Float[Tensor, "batch head"]
+    pairing: markov.PairingResidual
+    pairs_anywhere: bool  # whether any sequence has a pairing (an edge both ways)
 
 
 def _stacked(tensors: Sequence[Tensor]) -> Tensor:
@@ -116,9 +119,9 @@ def _stacked_means(
     alpha: float,
     query_chunk: int | None,
 ) -> list[_Means]:
-    """The transport defects of stackable walks' families in one pass over their stacked
-    gates; the field defects (of the families, and per head), the Markov conditions with the
-    walks side by side as one batch of sequences."""
+    """The transport defects and pairing residuals of stackable walks (the families') in one
+    pass over their stacked gates; the field defects (of the families, and per head), the
+    Markov conditions with the walks side by side as one batch of sequences."""
     first, count = parts[0], len(parts)
     W, g = _stacked([p.W for p in parts]), _stacked([p.g for p in parts])
     masks = _stacked_masks([p.scoped if p.kept is None else p.kept for p in parts])
@@ -146,6 +149,11 @@ def _stacked_means(
     given = mu.repeat(count, 1) if isinstance(mu, Tensor) else mu
     reversibility = markov.reversibility_residual(walks, given, alpha=alpha, positions=positions)
     stochasticity = markov.stochasticity_residual(walks, positions=positions).view(count, -1)
+    pairing = markov.pairing_residuals(
+        W, g, [(p.terms.W_V, p.terms.W_O) for p in parts], exclude_sink=first.drop_sink,
+        query_chunk=query_chunk, edges=scoped,
+    )  # fmt: skip
+    anywhere = torch.stack([p.applicable.any() for p in pairing]).tolist()
     batch = first.W.shape[0]
     return [
         _Means(
@@ -159,6 +167,8 @@ def _stacked_means(
             ),
             stochasticity[k],
             heads[k],
+            pairing[k],
+            anywhere[k],
         )
         for k in range(count)
     ]

@@ -263,15 +263,22 @@ def laplacian_residuals(
         raise ConnWalkError(f"memos must give one Memo per walk: {len(memos)} for {len(walks)}.")
     if not walks:
         return []
-    chosen = None
-    for walk in walks:
-        chosen = None if heads is None else core_walk.check_heads(heads, walk.n_heads)
+    chosen = None if heads is None else core_walk.check_heads(heads, walks[0].n_heads)
+    for walk in walks[1:]:
+        if chosen is not None and walk.n_heads != walks[0].n_heads:
+            raise ConnWalkError(
+                f"heads={list(heads or ())} for walks of different head counts: layer "
+                f"{walks[0].layer} has {walks[0].n_heads} heads, layer {walk.layer} "
+                f"{walk.n_heads}; measure walks of one model together, or without heads."
+            )
     resolved = [
         _of_heads(walk, chosen, memo)
         for walk, memo in zip(walks, memos or [None] * len(walks), strict=True)
     ]
     _LayerTerms.stack_message_grams(
-        [memo.terms(walk) for walk, memo in resolved], baseline_draws, seed
+        Memo.terms_of([walk for walk, _ in resolved], [memo for _, memo in resolved]),
+        baseline_draws,
+        seed,
     )
     parts = [
         _Parts(walk, memo, exclude_sink, edges, mass_share, baseline_draws, seed)
@@ -313,9 +320,7 @@ def _finished(
     positions, scoped, drop_sink = walk.attention_mask, part.scoped, part.drop_sink
     W_V, W_O = terms.W_V, terms.W_O
     reversibility = means.reversibility
-    pairing = markov.pairing_residual(
-        W, g, W_V, W_O, exclude_sink=drop_sink, query_chunk=query_chunk, edges=scoped
-    )
+    pairing = means.pairing
     grams = terms.heads
     transport = means.transport
     unit_scale = means.scale[0]
@@ -346,7 +351,7 @@ def _finished(
         mu_kind=reversibility.mu_kind,
         transport_defect=transport[0],
         scale=scale,
-        pairing=pairing.residual if bool(pairing.applicable.any()) else None,
+        pairing=pairing.residual if means.pairs_anywhere else None,
         pairing_applicable=pairing.applicable,
         head_defects=grams.head_defects,
         field_defect=fields[0],
