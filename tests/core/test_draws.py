@@ -439,3 +439,19 @@ def test_key_draws_refuse_more_keys_than_d_model():
     with pytest.raises(ConnWalkError, match="at most d_model = 4 keys, got 5"):
         draws.key_draws(torch.Size([1, 4, 2]), torch.Size([1, 2, 4]), torch.float64,
                         torch.device("cpu"), 0, 2, 5)  # fmt: skip
+
+
+def test_stacked_layer_draws_are_each_layers_draws():
+    """Several layers' draws scaled at once equal each layer's `layer_draws`, bit for bit,
+    grouped-query sharing included."""
+    layers = [random_problem(heads=4, d_model=10, d_head=3, seed=s) for s in range(3)]
+    kv_heads = (0, 0, 1, 1)
+    norms_sq = torch.stack([iso.head_norms_sq(p.W_V, p.W_O) for p in layers])
+    stacked = draws.stacked_layer_draws(
+        layers[0].W_V, layers[0].W_O, norms_sq, 3, 5, kv_heads=kv_heads
+    )
+    for p, made in zip(layers, stacked, strict=True):
+        alone = draws.layer_draws(p.W_V, p.W_O, 3, 5, kv_heads=kv_heads)
+        assert made.raw is alone.raw
+        for name in ("norms_sq", "scales", "K2", "pair_gram", "head_defects"):
+            assert torch.equal(getattr(made, name), getattr(alone, name)), name

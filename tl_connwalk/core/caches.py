@@ -14,8 +14,9 @@ batch and prompt of a model shares it (docs/performance.md, "Caches"):
 
 Results never depend on them: a cleared cache is filled again with the same numbers. The
 stores themselves are private (``tl_connwalk.core._fast``); `head_grams` and `layer_draws`
-are the two cached terms a layer's measurements read (`tl_connwalk.walk.residual`), and
-`stacked_draw_message_grams` the field baselines of several layers' draws at once.
+are the two cached terms a layer's measurements read (`tl_connwalk.walk.residual`),
+`stacked_layer_draws` the draws of several layers at once and `stacked_draw_message_grams`
+their field baselines.
 
 >>> import tl_connwalk
 >>> sorted(tl_connwalk.caches())[0]
@@ -27,7 +28,12 @@ are the two cached terms a layer's measurements read (`tl_connwalk.walk.residual
 
 from tl_connwalk.core._fast import draws, lru, quartic
 from tl_connwalk.core._fast import head_grams as _head_grams
-from tl_connwalk.core._fast.draws import LayerDraws, layer_draws, stacked_draw_message_grams
+from tl_connwalk.core._fast.draws import (
+    LayerDraws,
+    layer_draws,
+    stacked_draw_message_grams,
+    stacked_layer_draws,
+)
 from tl_connwalk.core._fast.head_grams import HeadGrams, head_grams
 
 __all__ = [
@@ -39,6 +45,7 @@ __all__ = [
     "head_grams",
     "layer_draws",
     "stacked_draw_message_grams",
+    "stacked_layer_draws",
 ]
 
 CacheInfo = lru.CacheInfo

@@ -22,6 +22,7 @@ from tl_connwalk.core.caches import (
     head_grams,
     layer_draws,
     stacked_draw_message_grams,
+    stacked_layer_draws,
 )
 from tl_connwalk.core.checks import abs_maxes
 from tl_connwalk.errors import ConnWalkError
@@ -147,6 +148,7 @@ class _LayerTerms:
         of keys and head for all of them. Padded walks and wide heads are left to
         `message_grams` and `draw_message_grams`, one walk at a time.
         """
+        _LayerTerms.stack_layer_draws(terms, n_draws, seed)
         groups: dict[tuple[object, ...], list[_LayerTerms]] = {}
         for term in terms:
             if term.positions is None and term.heads.out_rows is not None:
@@ -178,6 +180,28 @@ class _LayerTerms:
                 )
                 for term, gram in zip(drawn, grams, strict=True):
                     term._draw_grams[key] = gram
+
+    @staticmethod
+    def stack_layer_draws(terms: Sequence["_LayerTerms"], n_draws: int, seed: int) -> None:
+        """Make the ``(n_draws, seed)`` `layer_draws` that ``terms`` lack, those of heads of
+        one shape, dtype and device together (`tl_connwalk.core.caches.stacked_layer_draws`)."""
+        key = (n_draws, seed)
+        groups: dict[tuple[object, ...], list[_LayerTerms]] = {}
+        for term in terms:
+            if key not in term._draws:
+                shapes = (
+                    term.W_V.shape, term.W_O.shape, term.W_V.dtype, term.W_V.device,
+                    term.kv_heads,
+                )  # fmt: skip
+                groups.setdefault(shapes, []).append(term)
+        for group in groups.values():
+            first = group[0]
+            made = stacked_layer_draws(
+                first.W_V, first.W_O, torch.stack([term.heads.norms_sq for term in group]),
+                n_draws, seed, kv_heads=first.kv_heads,
+            )  # fmt: skip
+            for term, draws in zip(group, made, strict=True):
+                term._draws[key] = draws
 
     def layer_draws(self, n_draws: int, seed: int) -> LayerDraws:
         """`tl_connwalk.core.caches.layer_draws` of the (unit-scaled) weights."""

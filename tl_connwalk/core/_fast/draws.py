@@ -454,24 +454,51 @@ def layer_draws(
     >>> draws.K2.shape, draws.pair_gram.shape, draws.head_defects.shape
     (torch.Size([3, 2, 2]), torch.Size([3, 3, 3]), torch.Size([3, 2]))
     """
+    _check_draws(n_draws, seed)
+    W_V, W_O = checks.cast_heads(W_V, W_O)
+    target = isometry.head_norms_sq(W_V, W_O) if norms_sq is None else norms_sq.to(W_V)
+    return stacked_layer_draws(W_V, W_O, target[None], n_draws, seed, kv_heads=kv_heads)[0]
+
+
+def stacked_layer_draws(
+    W_V: Float[Tensor, "head d_model d_head"],
+    W_O: Float[Tensor, "head d_head d_model"],
+    norms_sq: Float[Tensor, "layer head"],
+    n_draws: int,
+    seed: int,
+    *,
+    kv_heads: KVHeads | None = None,
+) -> list[LayerDraws]:
+    """`layer_draws` of several layers whose heads have one shape (``W_V``, ``W_O``: one of
+    them, for the shapes, dtype and device) and the squared head norms ``norms_sq[l]``: one
+    set of operations for all of them (the scaled Grams of every layer's draws at once).
+
+    >>> W_V, W_O = torch.randn(2, 16, 4), torch.randn(2, 4, 16)
+    >>> a, b = stacked_layer_draws(W_V, W_O, torch.tensor([[1.0, 2.0], [3.0, 4.0]]), 3, 0)
+    >>> torch.equal(b.norms_sq, torch.tensor([3.0, 4.0])), a.raw is b.raw
+    (True, True)
+    """
+    _check_draws(n_draws, seed)
+    kv_heads = value_heads.check_kv_heads(kv_heads, W_V.shape[0])
+    raw = raw_draws(W_V.shape, W_O.shape, W_V.dtype, W_V.device, seed, n_draws, *_sharing(kv_heads))
+    target = norms_sq.to(W_V)
+    scales = isometry.draw_scales(target[:, None], raw.grams.norms_sq)  # [layer, draw, head]
+    first, second = quartic.head_pairs(W_V.shape[0], W_V.device)
+    pair_scales = scales[..., first] * scales[..., second]
+    K2, pair_gram, head_defects = raw.grams.K2, raw.grams.pair_gram, raw.grams.head_defects
+    K2 = K2 * scales[..., :, None] * scales[..., None, :]
+    pair_gram = pair_gram * pair_scales[..., :, None] * pair_scales[..., None, :]
+    head_defects = torch.where(scales > 0, head_defects, torch.zeros_like(head_defects))
+    return [
+        LayerDraws(raw=raw, norms_sq=norms, scales=scale, K2=k2, pair_gram=pairs, head_defects=hd)
+        for norms, scale, k2, pairs, hd in zip(
+            *(t.unbind() for t in (target, scales, K2, pair_gram, head_defects)), strict=True
+        )
+    ]
+
+
+def _check_draws(n_draws: object, seed: object) -> None:
+    """A ConnWalkError unless ``n_draws`` is a number of draws and ``seed`` an integer."""
     isometry.check_draws(n_draws)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConnWalkError(f"seed must be an integer, got {seed!r}.")
-    W_V, W_O = checks.cast_heads(W_V, W_O)
-    kv_heads = value_heads.check_kv_heads(kv_heads, W_V.shape[0])
-    raw = raw_draws(W_V.shape, W_O.shape, W_V.dtype, W_V.device, seed, n_draws, *_sharing(kv_heads))
-    target = isometry.head_norms_sq(W_V, W_O) if norms_sq is None else norms_sq.to(W_V)
-    scales = isometry.draw_scales(target, raw.grams.norms_sq)
-    first, second = quartic.head_pairs(W_V.shape[0], W_V.device)
-    pair_scales = scales[:, first] * scales[:, second]
-    K2, pair_gram, head_defects = raw.grams.K2, raw.grams.pair_gram, raw.grams.head_defects
-    return LayerDraws(
-        norms_sq=target,
-        raw=raw,
-        scales=scales,
-        K2=K2 * rearrange(scales, "d a -> d a 1") * rearrange(scales, "d b -> d 1 b"),
-        pair_gram=pair_gram
-        * rearrange(pair_scales, "d p -> d p 1")
-        * rearrange(pair_scales, "d q -> d 1 q"),
-        head_defects=torch.where(scales > 0, head_defects, torch.zeros_like(head_defects)),
-    )
