@@ -113,13 +113,18 @@ def _weights(model: nn.Module, layer: int) -> tuple[Tensor, Tensor, Tensor, Tens
 
 def processing(model: nn.Module, layer: int) -> dict[str, bool]:
     """The Bridge's mode and the weight processing one layer shows (spec §2)."""
-    bridge = _bridge(model)
-    attn = bridge.blocks[layer].attn
+    attn = _bridge(model).blocks[layer].attn
     b_V = attn.b_V
+    return _processing(model, attn.W_O.detach(), None if b_V is None else b_V.detach())
+
+
+def _processing(model: nn.Module, W_O: Tensor, b_V: Tensor | None) -> dict[str, bool]:
+    """`processing` of a layer whose ``W_O`` and ``b_V`` are at hand."""
+    bridge = _bridge(model)
     return {
         "compatibility_mode": bool(getattr(bridge, "compatibility_mode", False)),
         "weights_processed": bool(getattr(bridge, "_weights_processed", False)),
-        **inferred_processing(attn.W_O.detach(), None if b_V is None else b_V.detach()),
+        **inferred_processing(W_O, b_V),
     }
 
 
@@ -132,13 +137,13 @@ def pattern_from_cache(cache: ActivationCache, model: nn.Module, layer: int) -> 
 
 
 def walk_from_cache(cache: ActivationCache, model: nn.Module, layer: int) -> ConnectionWalk:
-    """Layer ``layer``'s connection walk from a cache of ``model`` (hooks checked by the caller)."""
-    check_supported(model, layer)
+    """Layer ``layer``'s connection walk from a cache of ``model`` (support and hooks checked
+    by the caller: `check_supported`, `required_hooks`)."""
     field_name = required_hooks(model, layer)[1]
     pattern = pattern_from_cache(cache, model, layer)
     field = batched(cache[field_name], field_name, cache.has_batch_dim, 3)
     W_V, W_O, b_V, b_O = _weights(model, layer)
     check_field(field, field_name, W_O.shape[2], pattern.shape[-1])
     return ConnectionWalk.from_pattern(
-        pattern, field, W_V, W_O, b_V, b_O, layer=layer, processing=processing(model, layer)
+        pattern, field, W_V, W_O, b_V, b_O, layer=layer, processing=_processing(model, W_O, b_V)
     )
