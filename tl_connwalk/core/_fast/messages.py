@@ -2,6 +2,7 @@
 from ``d_head``-wide values and the output Gram ``W_O^cat W_O^cat^T`` (or the messages
 themselves where that Gram is too wide), in blocks of keys: no ``d_model x d_model`` map."""
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -288,19 +289,55 @@ def _value_grams(
     n_shift = n_heads // 2 + 1
     index = _pair_index(n_heads, rows_like.device)
     grams = None
-    # per row and copy: the products of every head with its H // 2 + 1 partners, beside the
-    # values, their copy with the partners' heads wrapped around and the product's operands
-    # (each at most H d_head): one batched product per block of rows for every head, draw,
-    # sequence and stacked layer
+    # the forms (the products of every head with its H // 2 + 1 partners) of every block in
+    # one buffer: a fresh tensor of this size would come from fresh pages on every block (a
+    # page fault per 4 KiB, on a CPU about as slow as the product itself)
+    buffer = None
+    # per row and copy: the forms, beside the values, their copy with the partners' heads
+    # wrapped around and the product's operands (each at most H d_head): one batched product
+    # per block of rows for every head, draw, sequence and stacked layer
     for block in query_chunks(n_rows, copies * (n_shift + 4) * n_heads * d_head):
         v = values_of(block).unflatten(-1, (n_heads, d_head))
         if grams is None:
             grams = v.new_empty(*v.shape[:-3], n_rows, n_heads, n_heads)
+        if buffer is None:  # the first block is the largest
+            buffer = v.new_empty(v.numel() * n_shift)
         # forms[..., j, a, k, :] = v^a_j W_O^a W_O^b^T, b = (a + k) mod H
-        forms = einsum(v, blocks, "... row a p, ... a p e -> ... row a e")
+        forms = _forms(v, blocks, buffer)
         wrapped = torch.cat([v, v[..., : n_shift - 1, :]], dim=-2)
         partners = wrapped.unfold(-2, n_shift, 1)  # [..., row, a, d_head, k]: v^b_j
         pairs = forms.unflatten(-1, (n_shift, d_head)).mul_(partners.mT).sum(-1)
         grams[..., block, :, :] = pairs.flatten(-2)[..., index].unflatten(-1, (n_heads, n_heads))
     assert grams is not None
     return grams
+
+
+def _forms(
+    v: Float[Tensor, "*lead row head d_head"],
+    blocks: Float[Tensor, "*side head d_head e"],
+    buffer: Tensor | None = None,
+) -> Float[Tensor, "*lead row head e"]:
+    """``v^a_j B^a`` for every head ``a`` (``blocks`` with leading axes that broadcast against
+    ``v``'s), as one product per head with every row of the axes along which the blocks do not
+    vary (their size-1 trailing axes: sequences, say) taken together: few large matrix
+    products rather than one small one per sequence and head. Written into ``buffer`` (a flat
+    tensor of at least as many numbers) where given.
+
+    >>> v, B = torch.randn(2, 3, 5, 4, 6), torch.randn(2, 1, 4, 6, 7)
+    >>> torch.allclose(_forms(v, B), einsum(v, B, "... row a p, ... a p e -> ... row a e"))
+    True
+    """
+    n_lead = v.ndim - 3
+    side = (1,) * (n_lead - (blocks.ndim - 3)) + tuple(blocks.shape[:-3])
+    keep = n_lead
+    while keep and side[keep - 1] == 1:
+        keep -= 1
+    # the rows of every axis the blocks broadcast along, head-major: [..., head, rows, d_head]
+    merged = v.flatten(keep, n_lead).movedim(-2, -3)
+    side_blocks = blocks.reshape(*side[:keep], *blocks.shape[-3:])
+    shape = (*merged.shape[:-1], blocks.shape[-1])
+    out = None
+    if buffer is not None and side_blocks.shape[:-2] == merged.shape[:-2]:
+        out = buffer[: math.prod(shape)].view(shape)
+    forms = torch.matmul(merged, side_blocks, out=out)  # [..., head, rows, e]
+    return forms.movedim(-3, -2).unflatten(keep, v.shape[keep : n_lead + 1])
