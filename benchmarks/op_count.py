@@ -10,19 +10,23 @@ for every cache after a model's first), for
   heads);
 - ``smollm2``: SmolLM2-135M from `tl_connwalk.zoo` (a ``TransformerBridge``; converted and
   cached on first use);
+- ``llama8b``: 8 random layers of a Llama-3-8B-like shape (d_model 4096, 32 heads of 128, 16
+  key-value heads; named only: not among the default three);
 
-each with one sequence of 256 tokens (``--tokens``). ``forward`` is the ``run_with_cache(tokens)``
-pass that made the cache (every hook point cached), ``forward_lean`` the same pass with
-``names_filter=tl_connwalk.required_hooks(model)``. Per measurement it prints the operations
-summed over the layers, per layer, and as a multiple of ``forward``:
+each with one sequence of 256 tokens (``--tokens``), on the CPU (``--device cuda``: a GPU).
+``forward`` is the ``run_with_cache(tokens)`` pass that made the cache (every hook point
+cached), ``forward_lean`` the same pass with ``names_filter=tl_connwalk.required_hooks(model)``.
+Per measurement it prints the operations summed over the layers, per layer, and as a multiple
+of ``forward``:
 ``walk`` (``connection_walk`` of each layer), ``residual`` (``laplacian_residual`` with its
 8 baseline draws, on a walk built beforehand), ``isometry`` (``isometry_defects``, the same),
 ``drift`` (``layer_drift`` of the cache) and ``table`` (``geometry_table`` as a whole). With
 ``--repeats N`` (default 5) it also times ``geometry_table`` against ``run_with_cache``,
-interleaved, and reports the ratio of the medians (``table_time_ratio``).
+interleaved, and reports their medians and the ratio of the medians (``table_time_ratio``).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/op_count.py            # all three models
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/op_count.py gpt2 --repeats 0
+    python benchmarks/op_count.py gpt2 llama8b --tokens 1024 --device cuda
 
 One JSON line per model.
 """
@@ -42,17 +46,22 @@ from tl_connwalk.cache import n_layers_of
 from tl_connwalk.debug import count_operations, operations_of
 from tl_connwalk.toy import VOCAB, random_bridge
 
-MODELS = ("gpt2", "llama16", "smollm2")
+MODELS = ("gpt2", "llama16", "smollm2", "llama8b")
+#: the random models: name -> `random_bridge` options
+RANDOM = {
+    "gpt2": {"arch": "gpt2", "n_layers": 12, "d_model": 768, "n_heads": 12, "scale": 0.02},
+    "llama16": {"arch": "llama", "n_layers": 16, "d_model": 512, "n_heads": 8},
+    "llama8b": {"arch": "llama", "n_layers": 8, "d_model": 4096, "n_heads": 32, "scale": 0.02},
+}
 
 
-def build(name: str, n_pos: int) -> nn.Module:
-    """One of `MODELS`, attached."""
-    if name == "gpt2":
-        model = random_bridge("gpt2", n_layers=12, d_model=768, n_heads=12, scale=0.02, n_ctx=n_pos)
-    elif name == "llama16":
-        model = random_bridge("llama", n_layers=16, d_model=512, n_heads=8, n_ctx=n_pos)
+def build(name: str, n_pos: int, device: str = "cpu") -> nn.Module:
+    """One of `MODELS`, attached, on ``device``."""
+    if name in RANDOM:
+        model = random_bridge(**RANDOM[name], n_ctx=n_pos, device=device)  # type: ignore[arg-type]
     else:
         model = tl_connwalk.zoo.load("smollm2-135m", backend="bridge", progress=False)
+        model = model.to(device)
     return tl_connwalk.attach(model)
 
 
@@ -61,20 +70,31 @@ def tokens_for(model: nn.Module, n_pos: int) -> torch.Tensor:
     return torch.randint(0, vocab, (1, n_pos), generator=torch.Generator().manual_seed(1))
 
 
-def _median_time(fn: Callable[[], object], other: Callable[[], object], repeats: int) -> float:
-    """Median of ``repeats`` timings of ``fn / other``, interleaved (``fn`` then ``other``)."""
+def _median_times(
+    fn: Callable[[], object], other: Callable[[], object], repeats: int, device: str
+) -> tuple[float, float]:
+    """Medians of ``repeats`` timings of ``fn`` and ``other``, interleaved (``other`` then
+    ``fn``), in seconds; on a GPU each timing waits for the device."""
+
+    def wait() -> None:
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
+
     times: dict[str, list[float]] = {"fn": [], "other": []}
     for _ in range(repeats):
         for key, call in (("other", other), ("fn", fn)):
+            wait()
             start = time.perf_counter()
             call()
+            wait()
             times[key].append(time.perf_counter() - start)
-    return statistics.median(times["fn"]) / statistics.median(times["other"])
+    return statistics.median(times["fn"]), statistics.median(times["other"])
 
 
-def measure(name: str, n_pos: int, repeats: int) -> dict[str, Any]:
-    model = build(name, n_pos)
-    tokens = tokens_for(model, n_pos)
+def measure(name: str, n_pos: int, repeats: int, device: str = "cpu") -> dict[str, Any]:
+    """The counts (and with ``repeats`` the times) of one model at ``n_pos`` tokens."""
+    model = build(name, n_pos, device)
+    tokens = tokens_for(model, n_pos).to(device)
     names = tl_connwalk.required_hooks(model)
 
     def forward() -> Any:
@@ -104,17 +124,20 @@ def measure(name: str, n_pos: int, repeats: int) -> dict[str, Any]:
         counts["drift"] = operations_of(lambda: tl_connwalk.layer_drift(cache)).total
         table_count = operations_of(table)
         counts["table"] = table_count.total
-        timing = _median_time(table, forward, repeats) if repeats else None
+        times = _median_times(table, forward, repeats, device) if repeats else None
     return {
         "model": name,
         "tokens": n_pos,
         "layers": len(layers),
+        "device": device,
         "torch": torch.__version__,
         "operations": counts,
         "per_layer": {key: sum(values) / len(layers) for key, values in per_layer.items()},
         "per_forward": {key: round(n / counts["forward"], 2) for key, n in counts.items()},
         "table_most_common": table_count.most_common(8),
-        "table_time_ratio": timing,
+        "table_time_ratio": None if times is None else times[0] / times[1],
+        "table_seconds": None if times is None else times[0],
+        "forward_seconds": None if times is None else times[1],
     }
 
 
@@ -123,13 +146,14 @@ def main() -> None:
     parser.add_argument("models", nargs="*", help=f"some of {', '.join(MODELS)} (default: all)")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5, help="timings (0: counts only)")
+    parser.add_argument("--device", default="cpu", help="where the model runs (cuda: a GPU)")
     args = parser.parse_args()
     unknown = set(args.models) - set(MODELS)
     if unknown:
         parser.error(f"unknown models {sorted(unknown)}; choose from {MODELS}")
     torch.set_num_threads(1)
-    for name in args.models or MODELS:
-        print(json.dumps(measure(name, args.tokens, args.repeats)), flush=True)
+    for name in args.models or MODELS[:3]:
+        print(json.dumps(measure(name, args.tokens, args.repeats, args.device)), flush=True)
 
 
 if __name__ == "__main__":

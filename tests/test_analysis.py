@@ -8,6 +8,7 @@ import torch
 
 import tl_connwalk
 from tests.architectures import tokens
+from tl_connwalk import analysis
 from tl_connwalk.toy import random_bridge
 
 
@@ -83,3 +84,13 @@ def test_cache_methods_after_attach():
         assert len(cache.geometry_table(layers=[1], baseline_draws=2, progress=False)) == 5
     finally:
         tl_connwalk.detach(model)
+
+
+def test_drift_pairs_whose_layers_disagree_on_padding_are_named():
+    walk = torch.softmax(torch.randn(1, 4, 4), -1)
+    real = torch.tensor([[False, True, True, True]])
+    pairs = [((walk, None, 0), (walk, None, 1)), ((walk, None, 1), (walk, real, 2))]
+    with pytest.raises(tl_connwalk.ConnWalkError, match="layers 1 and 2 disagree"):
+        analysis._drifts(pairs, False, None)
+    same = analysis._drifts(pairs[:1] * 2, False, None)
+    assert [d.tolist() for d in same] == [[0.0], [0.0]]

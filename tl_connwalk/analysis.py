@@ -94,9 +94,10 @@ def _drifts(
 ) -> list[Tensor]:
     """`_drift` of several pairs of layers of one cache, their walks side by side along the
     batch axis in one `markov.layer_drift` (operations that do not grow with the number of
-    pairs) where every layer has the same padding; else pair by pair, which names the pair
-    whose layers disagree."""
-    if len(pairs) < 2:
+    pairs) where every layer has the same padding and device; else pair by pair (which names
+    the pair whose layers disagree)."""
+    devices = {padded[0].device for pair in pairs for padded in pair}
+    if len(pairs) < 2 or len(devices) > 1:  # one pair, or a model split over devices
         return [_drift(before, after, exclude_sink, edges) for before, after in pairs]
     reals = [padded[1] for pair in pairs for padded in pair]
     first, given = reals[0], [real for real in reals if real is not None]

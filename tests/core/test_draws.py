@@ -455,3 +455,9 @@ def test_stacked_layer_draws_are_each_layers_draws():
         assert made.raw is alone.raw
         for name in ("norms_sq", "scales", "K2", "pair_gram", "head_defects"):
             assert torch.equal(getattr(made, name), getattr(alone, name)), name
+
+
+def test_stacked_layer_draws_need_norms_per_layer_and_head():
+    p = random_problem(heads=3, d_model=10, d_head=3, seed=1)
+    with pytest.raises(ConnWalkError, match=r"norms_sq \(3,\) must be \[layer, head\] with head=3"):
+        draws.stacked_layer_draws(p.W_V, p.W_O, torch.ones(3), 3, 5)

@@ -236,3 +236,17 @@ def test_factored_message_grams_check_their_inputs():
         inspect.unwrap(fd.factored_message_grams)(torch.eye(3), torch.randn(3, 8), 2)
     with pytest.raises(ConnWalkError, match=r"values \(3, 6\) must be"):
         inspect.unwrap(fd.factored_message_grams)(torch.eye(3), torch.randn(3, 6), 2, W_O=W_O)
+
+
+def test_message_grams_through_output_gram_rows_keep_the_autograd_graph():
+    """Weights that ask for gradients: the Grams carry them (no product into a kept buffer)."""
+    _, field, W_V, W_O = random_problem(heads=3)
+    W_V = W_V.clone().requires_grad_(True)
+    out_rows = fd.output_gram_rows(torch.einsum("apd,bqd->abpq", W_O, W_O))
+    grams = fd.message_grams(field, W_V, W_O, out_rows=out_rows)
+    (grad,) = torch.autograd.grad(grams.sum(), W_V)
+    messages = torch.einsum("bjd,hde,hef->bjhf", field, W_V, W_O)
+    (expected,) = torch.autograd.grad(
+        torch.einsum("bjaf,bjcf->bjac", messages, messages).sum(), W_V
+    )
+    assert_close(grad, expected)

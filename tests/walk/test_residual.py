@@ -175,3 +175,19 @@ def test_stacked_layers_measure_as_each_layer_alone(arch, options):
                 assert_close(got[name], value, terms=walks[0].walk.shape[-1] ** 2)
             else:
                 assert torch.equal(got[name], value), name
+
+
+def test_stacked_walks_of_different_head_counts_take_heads_valid_for_each():
+    """``heads=`` for walks of 4 and 6 heads (two models): each result is that walk's alone."""
+    walks = []
+    for n_heads in (4, 6):
+        model = random_bridge("gpt2", n_layers=1, d_model=24, n_heads=n_heads, n_ctx=16)
+        _, cache = model.run_with_cache(tokens(batch=1, pos=5))
+        walks.append(tl_connwalk.connection_walk(cache, 0))
+    stacked = tl_connwalk.ConnectionWalk.laplacian_residuals(walks, baseline_draws=2, heads=[0, 3])
+    for walk, res in zip(walks, stacked, strict=True):
+        alone = walk.laplacian_residual(baseline_draws=2, heads=[0, 3])
+        assert res.heads == alone.heads == (0, 3)
+        assert_close(res.transport_defect, alone.transport_defect, terms=25)
+    with pytest.raises(tl_connwalk.ConnWalkError, match="4 heads"):
+        tl_connwalk.ConnectionWalk.laplacian_residuals(walks, baseline_draws=2, heads=[0, 5])

@@ -289,12 +289,16 @@ def positions_of_walks(
     if not walks:
         return []
     shape = walks[0].shape
-    if len(shape) != 3 or shape[1] != shape[2] or any(w.shape != shape for w in walks):
+    if any(w.shape != shape for w in walks):
         raise ConnWalkError(
             "walks must share one [batch, query, key] shape, got "
             f"{sorted({tuple(w.shape) for w in walks})}."
         )
-    if len(walks) == 1 or any(w.is_meta for w in walks):
+    # one walk, offloaded walks, walks on several devices (a model split over devices), or a
+    # shape `positions_of` rejects: walk by walk
+    several_devices = len({w.device for w in walks}) > 1
+    not_square = len(shape) != 3 or shape[1] != shape[2]
+    if len(walks) == 1 or several_devices or not_square or any(w.is_meta for w in walks):
         return [positions_of(walk, attention_mask) for walk in walks]
     n_walks, batch = len(walks), shape[0]
     stacked = torch.cat(list(walks))  # [walk batch, query, key]

@@ -145,8 +145,9 @@ class _LayerTerms:
         that ``terms`` lack, stacked over the walks of one head shape, dtype and field shape
         whose output-Gram rows are kept (`field_defect.stacked_message_grams`,
         `tl_connwalk.core.caches.stacked_draw_message_grams`): one batched product per block
-        of keys and head for all of them. Padded walks and wide heads are left to
-        `message_grams` and `draw_message_grams`, one walk at a time.
+        of keys for every head of all of them, after the draws they lack
+        (`stack_layer_draws`). Padded walks and wide heads are left to `message_grams` and
+        `draw_message_grams`, one walk at a time.
         """
         _LayerTerms.stack_layer_draws(terms, n_draws, seed)
         groups: dict[tuple[object, ...], list[_LayerTerms]] = {}

@@ -263,14 +263,10 @@ def laplacian_residuals(
         raise ConnWalkError(f"memos must give one Memo per walk: {len(memos)} for {len(walks)}.")
     if not walks:
         return []
-    chosen = None if heads is None else core_walk.check_heads(heads, walks[0].n_heads)
-    for walk in walks[1:]:
-        if chosen is not None and walk.n_heads != walks[0].n_heads:
-            raise ConnWalkError(
-                f"heads={list(heads or ())} for walks of different head counts: layer "
-                f"{walks[0].layer} has {walks[0].n_heads} heads, layer {walk.layer} "
-                f"{walk.n_heads}; measure walks of one model together, or without heads."
-            )
+    chosen = None
+    if heads is not None:  # valid for every walk (the same sorted heads for each)
+        for walk in walks:
+            chosen = core_walk.check_heads(heads, walk.n_heads)
     resolved = [
         _of_heads(walk, chosen, memo)
         for walk, memo in zip(walks, memos or [None] * len(walks), strict=True)

@@ -463,15 +463,17 @@ def layer_draws(
 def stacked_layer_draws(
     W_V: Float[Tensor, "head d_model d_head"],
     W_O: Float[Tensor, "head d_head d_model"],
-    norms_sq: Float[Tensor, "layer head"],
+    norms_sq: Tensor,
     n_draws: int,
     seed: int,
     *,
     kv_heads: KVHeads | None = None,
 ) -> list[LayerDraws]:
     """`layer_draws` of several layers whose heads have one shape (``W_V``, ``W_O``: one of
-    them, for the shapes, dtype and device) and the squared head norms ``norms_sq[l]``: one
-    set of operations for all of them (the scaled Grams of every layer's draws at once).
+    them, for the shapes, dtype and device) and the squared head norms ``norms_sq[l]``
+    (``[layer, head]``; annotated as a plain tensor so that runtime type checkers leave the
+    check, and its message, to this function): one set of operations for all of them (the
+    scaled Grams of every layer's draws at once).
 
     >>> W_V, W_O = torch.randn(2, 16, 4), torch.randn(2, 4, 16)
     >>> a, b = stacked_layer_draws(W_V, W_O, torch.tensor([[1.0, 2.0], [3.0, 4.0]]), 3, 0)
@@ -479,6 +481,12 @@ def stacked_layer_draws(
     (True, True)
     """
     _check_draws(n_draws, seed)
+    W_V, W_O = checks.cast_heads(W_V, W_O)
+    if norms_sq.ndim != 2 or norms_sq.shape[1] != W_V.shape[0]:
+        raise ConnWalkError(
+            f"norms_sq {tuple(norms_sq.shape)} must be [layer, head] with head={W_V.shape[0]}: "
+            "each layer's squared head norms ||T^h||_F^2."
+        )
     kv_heads = value_heads.check_kv_heads(kv_heads, W_V.shape[0])
     raw = raw_draws(W_V.shape, W_O.shape, W_V.dtype, W_V.device, seed, n_draws, *_sharing(kv_heads))
     target = norms_sq.to(W_V)

@@ -236,8 +236,8 @@ def stacked_message_grams(
 ) -> Float[Tensor, "stack batch key head head"]:
     """`message_grams` of several stacked problems at once (the layers of a model, say), each
     with a field, values ``W_V^cat = [W_V^1 ... W_V^H]`` ``[d_model, H d_head]`` and output
-    Gram rows (`output_gram_rows`) of its own: one batched product per block of keys and
-    head, whatever the number of problems.
+    Gram rows (`output_gram_rows`) of its own: one batched product per block of keys for
+    every head, whatever the number of problems.
 
     >>> field, W_V, W_O = torch.randn(3, 1, 4, 8), torch.randn(3, 2, 8, 4), torch.randn(3, 2, 4, 8)
     >>> out_rows = torch.stack([output_gram_rows(einsum(o, o, "a p d, b q d -> a b p q"))
@@ -321,9 +321,9 @@ def _forms(
 ) -> Float[Tensor, "*lead row head e"]:
     """``v^a_j B^a`` for every head ``a`` (``blocks`` with leading axes that broadcast against
     ``v``'s), as one product per head with every row of the axes along which the blocks do not
-    vary (their size-1 trailing axes: sequences, say) taken together: few large matrix
-    products rather than one small one per sequence and head. Written into ``buffer`` (a flat
-    tensor of at least as many numbers) where given.
+    vary (their size-1 trailing axes: sequences, say) taken together: one batched product for
+    every head and leading index, not one small one per sequence. Written into ``buffer`` (a
+    flat tensor of at least as many numbers) where given and no gradient is asked for.
 
     >>> v, B = torch.randn(2, 3, 5, 4, 6), torch.randn(2, 1, 4, 6, 7)
     >>> torch.allclose(_forms(v, B), einsum(v, B, "... row a p, ... a p e -> ... row a e"))
@@ -339,7 +339,8 @@ def _forms(
     side_blocks = blocks.reshape(*side[:keep], *blocks.shape[-3:])
     shape = (*merged.shape[:-1], blocks.shape[-1])
     out = None
-    if buffer is not None and side_blocks.shape[:-2] == merged.shape[:-2]:
+    grad = torch.is_grad_enabled() and (merged.requires_grad or side_blocks.requires_grad)
+    if buffer is not None and not grad and side_blocks.shape[:-2] == merged.shape[:-2]:
         out = buffer[: math.prod(shape)].view(shape)
     forms = torch.matmul(merged, side_blocks, out=out)  # [..., head, rows, e]
     return forms.movedim(-3, -2).unflatten(keep, v.shape[keep : n_lead + 1])
