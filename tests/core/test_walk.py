@@ -113,3 +113,16 @@ def test_walk_gate_split_is_exact(batch, heads, pos, seed, causal, dead_head, dt
     assert_close(core.patterns_from_walk(W, g), pattern)
     by_edges = ref.apply(pattern, field, W_V, W_O)
     assert_close(core.propagate(pattern, field, W_V, W_O), by_edges.to(dtype))
+
+
+def test_gates_of_subnormal_patterns_are_finite_and_sum_to_one():
+    """At long contexts a softmax leaves patterns as small as float32's subnormals: a gate is
+    ``A^h / s`` there too (finite, summing to 1 over heads), against the float64 definition."""
+    tiny = torch.finfo(torch.float32).smallest_normal
+    pattern = torch.softmax(torch.randn(1, 3, 4, 4, generator=torch.Generator().manual_seed(0)), -1)
+    pattern[0, :, 3, 0] = torch.tensor([tiny / 2**20, 0.0, tiny / 2**22])  # subnormal column
+    walk, gates = core.walk_and_gates(pattern)
+    assert torch.isfinite(gates).all()
+    assert_close(gates.sum(1), torch.ones(1, 4, 4))
+    assert_close(gates, ref.gates(pattern.double()).float())
+    assert_close(walk, ref.walk(pattern.double()).float())

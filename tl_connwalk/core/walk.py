@@ -74,8 +74,11 @@ def walk_and_gates(
 
         W_ij = s_ij / H,    g^h_ij = A^h_ij (1 / s_ij) + [s_ij = 0] / H
 
-    the gates in one fused pass over the pattern (``addcmul`` of the broadcast
-    ``[batch, 1, query, key]`` terms): two passes over the pattern in all, not four.
+    the gates in one fused pass over the pattern (``addcdiv`` of the broadcast
+    ``[batch, 1, query, key]`` terms): two passes over the pattern in all, not four. The
+    gates divide by ``s_ij`` rather than multiply by ``1 / s_ij``: at long contexts a softmax
+    gives patterns as small as float32's subnormals, whose reciprocal is ``inf`` (``0 * inf``
+    would make a NaN gate); ``A^h_ij / s_ij <= 1`` is finite wherever ``s_ij > 0``.
 
     >>> A = torch.softmax(torch.randn(2, 4, 5, 5), -1)
     >>> W, g = walk_and_gates(A)
@@ -85,9 +88,10 @@ def walk_and_gates(
     n_heads = pattern.shape[1]
     total = reduce(pattern, "batch head query key -> batch 1 query key", "sum")
     has_mass = total > 0
-    inverse = torch.where(has_mass, 1.0 / torch.where(has_mass, total, 1.0), 0.0)
+    # where s_ij = 0 every A^h_ij is 0: 0 / 1 plus the uniform 1 / H
+    divisor = torch.where(has_mass, total, 1.0)
     uniform = torch.where(has_mass, 0.0, total.new_tensor(1.0 / n_heads))
-    return total[:, 0] / n_heads, torch.addcmul(uniform, pattern, inverse)
+    return total[:, 0] / n_heads, torch.addcdiv(uniform, pattern, divisor)
 
 
 def patterns_from_walk(
