@@ -324,11 +324,10 @@ def head_field_isometry_defects(
             row_mass = einsum(
                 pattern, keys_w, "batch head query key, batch key -> batch head query"
             )
-            has_mass = row_mass > 0
-            pattern = (
-                pattern
-                * torch.where(has_mass, 1.0 / torch.where(has_mass, row_mass, 1.0), 0.0)[..., None]
-            )
+            # a division, not a product with 1 / mass: a subnormal mass has no float32 inverse
+            has_mass = (row_mass > 0)[..., None]
+            divisor = torch.where(has_mass, row_mass[..., None], 1.0)
+            pattern = torch.where(has_mass, pattern / divisor, 0.0)
         column += reduce(pattern, "batch head query key -> batch head key", "sum")
     column = column * keys_w[:, None, :]
     values = rearrange(rho, "batch key head -> batch head key")
