@@ -111,15 +111,9 @@ def _weights(model: nn.Module, layer: int) -> tuple[Tensor, Tensor, Tensor, Tens
     return W_V, W_O, b_V, b_O
 
 
-def processing(model: nn.Module, layer: int) -> dict[str, bool]:
-    """The Bridge's mode and the weight processing one layer shows (spec §2)."""
-    attn = _bridge(model).blocks[layer].attn
-    b_V = attn.b_V
-    return _processing(model, attn.W_O.detach(), None if b_V is None else b_V.detach())
-
-
-def _processing(model: nn.Module, W_O: Tensor, b_V: Tensor | None) -> dict[str, bool]:
-    """`processing` of a layer whose ``W_O`` and ``b_V`` are at hand."""
+def processing(model: nn.Module, W_O: Tensor, b_V: Tensor) -> dict[str, bool]:
+    """The Bridge's mode and the weight processing a layer's ``W_O`` and ``b_V`` (from
+    `_weights`: absent biases as zeros) show (spec §2)."""
     bridge = _bridge(model)
     return {
         "compatibility_mode": bool(getattr(bridge, "compatibility_mode", False)),
@@ -145,5 +139,5 @@ def walk_from_cache(cache: ActivationCache, model: nn.Module, layer: int) -> Con
     W_V, W_O, b_V, b_O = _weights(model, layer)
     check_field(field, field_name, W_O.shape[2], pattern.shape[-1])
     return ConnectionWalk.from_pattern(
-        pattern, field, W_V, W_O, b_V, b_O, layer=layer, processing=_processing(model, W_O, b_V)
+        pattern, field, W_V, W_O, b_V, b_O, layer=layer, processing=processing(model, W_O, b_V)
     )

@@ -161,10 +161,7 @@ class ConnectionWalk:
         >>> walk.with_padding(torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]] * 2)).attention_mask.sum(-1)
         tensor([6, 6])
         """
-        positions = padding.positions_of(self.walk, attention_mask)
-        if positions is None and self.attention_mask is None:
-            return self
-        return dataclasses.replace(self, attention_mask=positions)
+        return ConnectionWalk.with_paddings([self], attention_mask)[0]
 
     @staticmethod
     def with_paddings(
