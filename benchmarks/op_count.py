@@ -14,6 +14,8 @@ for every cache after a model's first), for
   key-value heads; named only: not among the default three);
 
 each with one sequence of 256 tokens (``--tokens``), on the CPU (``--device cuda``: a GPU).
+A GPU takes larger chunks and blocks of work than a CPU (`tl_connwalk.debug.device_budgets`);
+``--device-budgets`` takes them on the CPU too, so that a CPU counts what a GPU launches.
 ``forward`` is the ``run_with_cache(tokens)`` pass that made the cache (every hook point
 cached), ``forward_lean`` the same pass with ``names_filter=tl_connwalk.required_hooks(model)``.
 Per measurement it prints the operations summed over the layers, per layer, and as a multiple
@@ -26,6 +28,7 @@ interleaved, and reports their medians and the ratio of the medians (``table_tim
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/op_count.py            # all three models
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/op_count.py gpt2 --repeats 0
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/op_count.py gpt2 --tokens 1024 --device-budgets
     python benchmarks/op_count.py gpt2 llama8b --tokens 1024 --device cuda
 
 One JSON line per model.
@@ -36,6 +39,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -43,7 +47,7 @@ from torch import nn
 
 import tl_connwalk
 from tl_connwalk.cache import n_layers_of
-from tl_connwalk.debug import count_operations, operations_of
+from tl_connwalk.debug import count_operations, device_budgets, operations_of
 from tl_connwalk.toy import VOCAB, random_bridge
 
 MODELS = ("gpt2", "llama16", "smollm2", "llama8b")
@@ -91,8 +95,11 @@ def _median_times(
     return statistics.median(times["fn"]), statistics.median(times["other"])
 
 
-def measure(name: str, n_pos: int, repeats: int, device: str = "cpu") -> dict[str, Any]:
-    """The counts (and with ``repeats`` the times) of one model at ``n_pos`` tokens."""
+def measure(
+    name: str, n_pos: int, repeats: int, device: str = "cpu", as_on_gpu: bool = False
+) -> dict[str, Any]:
+    """The counts (and with ``repeats`` the times) of one model at ``n_pos`` tokens; with
+    ``as_on_gpu``, chunks and blocks sized as on a GPU on any device (`device_budgets`)."""
     model = build(name, n_pos, device)
     tokens = tokens_for(model, n_pos).to(device)
     names = tl_connwalk.required_hooks(model)
@@ -106,7 +113,7 @@ def measure(name: str, n_pos: int, repeats: int, device: str = "cpu") -> dict[st
     def table() -> object:
         return tl_connwalk.geometry_table(cache, progress=False)
 
-    with torch.no_grad():
+    with torch.no_grad(), device_budgets() if as_on_gpu else nullcontext():
         cache = forward()
         table()  # warm: the head Grams of every layer are computed once per set of weights
         counts = {"forward": operations_of(forward).total}
@@ -130,6 +137,7 @@ def measure(name: str, n_pos: int, repeats: int, device: str = "cpu") -> dict[st
         "tokens": n_pos,
         "layers": len(layers),
         "device": device,
+        "budgets": "cpu" if torch.device(device).type == "cpu" and not as_on_gpu else "device",
         "torch": torch.__version__,
         "operations": counts,
         "per_layer": {key: sum(values) / len(layers) for key, values in per_layer.items()},
@@ -147,13 +155,18 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5, help="timings (0: counts only)")
     parser.add_argument("--device", default="cpu", help="where the model runs (cuda: a GPU)")
+    parser.add_argument(
+        "--device-budgets", action="store_true",
+        help="chunks and blocks sized as on a GPU, on any device (count what a GPU launches)",
+    )  # fmt: skip
     args = parser.parse_args()
     unknown = set(args.models) - set(MODELS)
     if unknown:
         parser.error(f"unknown models {sorted(unknown)}; choose from {MODELS}")
     torch.set_num_threads(1)
     for name in args.models or MODELS[:3]:
-        print(json.dumps(measure(name, args.tokens, args.repeats, args.device)), flush=True)
+        result = measure(name, args.tokens, args.repeats, args.device, args.device_budgets)
+        print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

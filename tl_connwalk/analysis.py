@@ -153,9 +153,9 @@ def geometry_table(
     The layers are measured in groups with their work stacked
     (`ConnectionWalk.laplacian_residuals`: the operations, on a GPU the kernel launches, grow
     little with the number of layers): as many layers at once as hold
-    ``tl_connwalk.core.isometry.CHUNK_ENTRIES`` numbers of gates, fields and message Grams
-    (at least one), so memory holds a group's walks and message Grams, their stacked copies and
-    the next layer's walk.
+    ``tl_connwalk.core.isometry.CHUNK_ENTRIES`` numbers of gates, fields and message Grams on
+    the CPU, ``DEVICE_CHUNK_ENTRIES`` on a GPU (at least one), so memory holds a group's walks
+    and message Grams, their stacked copies and the next layer's walk.
 
     >>> table = tl_connwalk.geometry_table(cache, progress=False)
     >>> table[table["head"] == "all"][["layer", "transport_defect", "transport_defect_baseline"]]
@@ -206,15 +206,16 @@ def geometry_table(
 
     bar = tqdm(total=len(chosen), desc="geometry", disable=not progress)
     # the layers measured together (`ConnectionWalk.laplacian_residuals`: their per-edge work
-    # stacked): as many as hold CHUNK_ENTRIES numbers of gates, fields and message Grams
-    # (the layer's and its draws', and their stacked copies), at least one
+    # stacked): as many as hold the chunk budget in gates, fields and message Grams (the
+    # layer's and its draws', and their stacked copies), at least one
     first = walk_of(chosen[0]) if chosen else None
-    per_layer = 1
+    per_layer, device = 1, None
     if first is not None:
         batch, n_heads, n_query, _ = first.gates.shape
         grams = (2 + baseline_draws) * batch * n_query * n_heads**2
         per_layer = first.gates.numel() + first.field.numel() + grams
-    for group in query_chunks(len(chosen), per_layer):
+        device = first.gates.device
+    for group in query_chunks(len(chosen), per_layer, device=device):
         group_layers = chosen[group]
         for layer in [*walks]:  # no longer needed: keep memory at the group and the next layer
             if layer not in group_layers:

@@ -12,6 +12,16 @@ operations.
 ...     _ = torch.ones(3) + 1
 >>> counted.total, counted.by_operation["aten.add"]
 (2, 1)
+
+On a GPU the measurements take larger chunks and blocks than on a CPU (fewer launches, more
+memory). `device_budgets` sizes them as on a GPU on every device, so that a CPU counts what a
+GPU would launch:
+
+>>> from tl_connwalk.debug import device_budgets
+>>> with device_budgets(), count_operations() as counted:
+...     _ = torch.ones(3) + 1
+>>> counted.total
+2
 """
 
 import collections
@@ -21,6 +31,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from tl_connwalk.core._fast.chunks import device_budgets
+
+__all__ = ["OperationCount", "count_operations", "device_budgets", "operations_of"]
 
 
 @dataclass

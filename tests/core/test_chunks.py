@@ -1,6 +1,7 @@
 """The chunk budgets: set through the public modules that show them, read where they are used."""
 
 import pytest
+import torch
 
 from tl_connwalk.core import isometry, laplacian
 from tl_connwalk.core._fast import chunks
@@ -18,3 +19,30 @@ def test_setting_a_budget_through_a_public_module_sets_it_where_it_is_read(modul
 def test_a_budget_set_where_it_is_read_shows_through_the_public_module(monkeypatch):
     monkeypatch.setattr(chunks, "EDGE_BLOCK", 3)
     assert isometry.EDGE_BLOCK == 3
+
+
+def test_devices_other_than_the_cpu_take_the_device_budget():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device name: nothing allocated
+    assert chunks.chunk_entries(cpu) == chunks.chunk_entries(None) == chunks.CHUNK_ENTRIES
+    assert chunks.chunk_entries(cuda) == chunks.DEVICE_CHUNK_ENTRIES > chunks.CHUNK_ENTRIES
+    per_query = chunks.CHUNK_ENTRIES // 4  # 4 rows per chunk on the CPU
+    assert len(chunks.query_chunks(64, per_query, device=cpu)) == 16
+    assert len(chunks.query_chunks(64, per_query, device=cuda)) == 1
+    # edge chunks follow the walk's device unless told; a causal walk still gets 8 chunks
+    walk = torch.tril(torch.ones(1, 256, 256))
+    assert len(chunks.edge_chunks(256, 256, per_query, None, walk)) == 64
+    assert len(chunks.edge_chunks(256, 256, per_query, None, walk, cuda)) == 8
+    on_gpu = chunks.DEVICE_CHUNK_ENTRIES // per_query  # rows per chunk on a GPU
+    assert len(chunks.edge_chunks(256, 256, per_query, None, None, cuda)) == -(-256 // on_gpu)
+
+
+def test_device_budgets_apply_on_the_cpu_inside_the_block_only():
+    cpu = torch.device("cpu")
+    with pytest.raises(RuntimeError, match="inside"), chunks.device_budgets():
+        assert chunks.on_device(cpu)
+        with chunks.device_budgets():  # nested: still in force after the inner block
+            pass
+        assert chunks.chunk_entries(cpu) == chunks.DEVICE_CHUNK_ENTRIES
+        raise RuntimeError("inside")
+    assert not chunks.on_device(cpu)
+    assert chunks.chunk_entries(cpu) == chunks.CHUNK_ENTRIES

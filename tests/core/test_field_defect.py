@@ -46,7 +46,9 @@ def test_message_grams_through_the_output_gram_equal_the_messages(
     expected = torch.einsum("bjaf,bjcf->bjac", messages, messages)
     out_rows = fd.output_gram_rows(torch.einsum("apd,bqd->abpq", W_O, W_O))
     assert_close(fd.message_grams(field, W_V, W_O, out_rows=out_rows), expected)
-    monkeypatch.setattr(fast_messages, "query_chunks", lambda n, per, chunk=None: _slices(n, 3))
+    monkeypatch.setattr(
+        fast_messages, "query_chunks", lambda n, per, chunk=None, device=None: _slices(n, 3)
+    )
     blocked = fd.message_grams(field, W_V, W_O, out_rows=out_rows)
     assert_close(blocked, expected)
     assert torch.equal(blocked, blocked.mT)  # each head pair computed once

@@ -100,7 +100,7 @@ def _chunk_norms_sq(
     n_query = gates.shape[2]
     stacked = rearrange(grams, "family batch key a c -> batch key (family a) c")
     per_query = batch * n_key * n_heads * (2 + families)
-    for rows, keys in edge_chunks(n_query, n_key, per_query, query_chunk, walk):
+    for rows, keys in edge_chunks(n_query, n_key, per_query, query_chunk, walk, gates.device):
         if keys == 0:  # no edge in these rows
             continue
         g = rearrange(gates[:, :, rows, :keys], "batch h query key -> (batch key) h query")
@@ -315,7 +315,7 @@ def head_field_isometry_defects(
     keys_w = keys.to(rho)
     batch, _, n_query, n_key = gates.shape
     column = torch.zeros(batch, n_heads, n_key, dtype=rho.dtype, device=rho.device)
-    for rows in query_chunks(n_query, 2 * batch * n_heads * n_key, query_chunk):
+    for rows in query_chunks(n_query, 2 * batch * n_heads * n_key, query_chunk, rho.device):
         pattern = n_heads * walk_w[:, None, rows] * gates_w[:, :, rows]  # A^h on these rows
         if edges is not None:
             pattern = pattern * edges[:, None, rows].to(pattern)

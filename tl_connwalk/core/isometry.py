@@ -30,6 +30,7 @@ from tl_connwalk.core._fast import chunks
 from tl_connwalk.core._fast.chunks import (
     CHUNK_ENTRIES,
     DEVICE_BLOCK_ENTRIES,
+    DEVICE_CHUNK_ENTRIES,
     EDGE_BLOCK,
     query_chunks,
 )
@@ -89,6 +90,7 @@ from tl_connwalk.errors import ConnWalkError
 __all__ = [
     "CHUNK_ENTRIES",
     "DEVICE_BLOCK_ENTRIES",
+    "DEVICE_CHUNK_ENTRIES",
     "EDGE_BLOCK",
     "GramMeans",
     "RandomBaseline",

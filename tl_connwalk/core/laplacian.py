@@ -195,7 +195,7 @@ def nearest_connection_operator_distance(
     batch = walk64.shape[0]
     d_model, inner = W_V.shape[1], n_heads * W_V.shape[2]
     per_edge = _TENSORS_PER_EDGE * d_model * max(d_model, inner)
-    step = max(1, chunks.CHUNK_ENTRIES // per_edge)
+    step = max(1, chunks.chunk_entries(device) // per_edge)
     diff_sq = torch.zeros(batch, dtype=torch.float64, device=device)
     norm_sq = torch.zeros(batch, dtype=torch.float64, device=device)
     for start in range(0, edges.shape[0], step):

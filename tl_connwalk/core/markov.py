@@ -399,7 +399,7 @@ def _stacked_edge_pairing(
     norm_sq = gates.new_empty(stack, batch, n_query, n_key)
     cross = gates.new_empty(stack, batch, n_query, n_key)
     per_query = stack * batch * n_heads * n_key
-    for rows in query_chunks(n_query, per_query, query_chunk):
+    for rows in query_chunks(n_query, per_query, query_chunk, gates.device):
         g = gates[..., rows, :]
         reverse = rearrange(gates[..., rows], "s batch head key query -> s batch head query key")
         mixed = einsum(g, K2, "s batch a query key, s a b -> s batch b query key")

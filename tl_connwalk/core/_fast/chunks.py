@@ -4,6 +4,8 @@ on them."""
 
 import sys
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -12,21 +14,30 @@ from torch import Tensor
 
 from tl_connwalk.core._fast.quartic import QuarticRows
 
-#: Working-memory budget (entries) of the chunked contractions below.
+#: Working-memory budget (entries) of the chunked contractions below, on the CPU: small
+#: chunks keep the temporaries in cache.
 CHUNK_ENTRIES = 2**24
+
+
+#: The same budget on other devices (CUDA, MPS), where every chunk costs a fixed number of
+#: kernel launches whatever its size (`chunk_entries`): 1 GiB of float32 numbers.
+DEVICE_CHUNK_ENTRIES = 2**28
 
 
 #: Edges per block of the per-edge Gram work on the CPU: its temporaries stay in cache.
 EDGE_BLOCK = 4096
 
 
-#: Numbers in one block's products on other devices (CUDA), where a block costs kernel
+#: Numbers in one block's products on other devices (CUDA, MPS), where a block costs kernel
 #: launches rather than cache misses (`edge_block`).
-DEVICE_BLOCK_ENTRIES = 2**26
+DEVICE_BLOCK_ENTRIES = 2**28
 
 
 #: The budgets above; the public modules that show them forward reads and assignments here.
-BUDGETS = ("CHUNK_ENTRIES", "DEVICE_BLOCK_ENTRIES", "EDGE_BLOCK")
+BUDGETS = ("CHUNK_ENTRIES", "DEVICE_BLOCK_ENTRIES", "DEVICE_CHUNK_ENTRIES", "EDGE_BLOCK")
+
+#: Whether `device_budgets` is in force: the device budgets on the CPU as well.
+_everywhere = False
 
 
 class _ForwardedBudgets(types.ModuleType):
@@ -56,31 +67,79 @@ def forward_budgets(module: str) -> None:
     sys.modules[module].__class__ = _ForwardedBudgets
 
 
-def query_chunks(n_query: int, per_query: int, query_chunk: int | None = None) -> list[slice]:
-    """Slices of query rows: ``query_chunk`` rows each, or as many as fit ``CHUNK_ENTRIES``.
+def on_device(device: torch.device | None) -> bool:
+    """Whether work on ``device`` takes the device budgets (``DEVICE_CHUNK_ENTRIES``,
+    ``DEVICE_BLOCK_ENTRIES``): any device but the CPU, and the CPU too inside `device_budgets`.
+    ``None`` (no tensor to tell) is the CPU."""
+    return _everywhere or (device is not None and device.type != "cpu")
+
+
+def chunk_entries(device: torch.device | None = None) -> int:
+    """The chunk budget of work on ``device``: ``DEVICE_CHUNK_ENTRIES`` where `on_device`, else
+    ``CHUNK_ENTRIES``.
+
+    >>> chunk_entries(torch.device("cpu")) == CHUNK_ENTRIES
+    True
+    >>> with device_budgets():
+    ...     chunk_entries(torch.device("cpu")) == DEVICE_CHUNK_ENTRIES
+    True
+    """
+    return DEVICE_CHUNK_ENTRIES if on_device(device) else CHUNK_ENTRIES
+
+
+@contextmanager
+def device_budgets() -> Iterator[None]:
+    """Chunks and blocks sized as on a GPU, on every device: what the work launches on a GPU,
+    counted on a CPU (`tl_connwalk.debug.count_operations`). Results do not depend on the
+    budgets; the CPU runs slower and holds more memory inside.
+    """
+    global _everywhere
+    before, _everywhere = _everywhere, True
+    try:
+        yield
+    finally:
+        _everywhere = before
+
+
+def query_chunks(
+    n_query: int,
+    per_query: int,
+    query_chunk: int | None = None,
+    device: torch.device | None = None,
+) -> list[slice]:
+    """Slices of query rows: ``query_chunk`` rows each, or as many as fit the chunk budget of
+    ``device`` (`chunk_entries`: ``CHUNK_ENTRIES`` numbers on the CPU).
 
     Callers write each chunk's result into an output allocated before the loop: results kept
     as a list of small tensors between the large temporaries fragment the C heap, which then
     cannot reuse or return them (at 8192 tokens and 12 heads the process grows by gigabytes).
     """
-    step = max(1, CHUNK_ENTRIES // max(1, per_query)) if query_chunk is None else query_chunk
+    budget = chunk_entries(device)
+    step = max(1, budget // max(1, per_query)) if query_chunk is None else query_chunk
     return [slice(start, start + step) for start in range(0, n_query, step)]
 
 
 def edge_chunks(
-    n_query: int, n_key: int, per_query: int, query_chunk: int | None, walk: Tensor | None
+    n_query: int,
+    n_key: int,
+    per_query: int,
+    query_chunk: int | None,
+    walk: Tensor | None,
+    device: torch.device | None = None,
 ) -> list[tuple[slice, int]]:
     """`query_chunks`, each with 1 + the last key that is an edge of any of its rows.
 
     Keys past it are no edge of the chunk (the future of a causal walk, trailing padding), so
     per-edge work stops there and the values there are left 0, as on every non-edge. With a
     walk, automatic chunks are at most an eighth of the rows (at least 16), so that a causal
-    walk skips most of its future. Without a walk every key counts.
+    walk skips most of its future. Without a walk every key counts. The budget is that of
+    ``device`` (``None``: the walk's).
     """
     if walk is None:
-        return [(rows, n_key) for rows in query_chunks(n_query, per_query, query_chunk)]
+        return [(rows, n_key) for rows in query_chunks(n_query, per_query, query_chunk, device)]
     if query_chunk is None:
-        query_chunk = min(max(1, CHUNK_ENTRIES // max(1, per_query)), max(16, -(-n_query // 8)))
+        budget = chunk_entries(walk.device if device is None else device)
+        query_chunk = min(max(1, budget // max(1, per_query)), max(16, -(-n_query // 8)))
     present = reduce(walk > 0, "batch query key -> query key", "max")
     positions = torch.arange(1, n_key + 1, device=walk.device)
     last = reduce(present * positions, "query key -> query", "max").tolist()
@@ -90,10 +149,10 @@ def edge_chunks(
 def edge_block(device: torch.device, rows: QuarticRows) -> int:
     """Edges per block of `_family_gram_defects`: ``EDGE_BLOCK`` on the CPU (at most as many
     as keep a block's products, ``QuarticRows.outputs`` per family, stacked problem and edge,
-    within ``CHUNK_ENTRIES`` numbers); elsewhere as many as fill ``DEVICE_BLOCK_ENTRIES``
-    numbers of products, at least ``EDGE_BLOCK``.
+    within ``CHUNK_ENTRIES`` numbers); elsewhere (`on_device`) as many as fill
+    ``DEVICE_BLOCK_ENTRIES`` numbers of products, at least ``EDGE_BLOCK``.
     """
     per_edge = rows.outputs * rows.families * rows.stack
-    if device.type == "cpu":
+    if not on_device(device):
         return max(1, min(EDGE_BLOCK, CHUNK_ENTRIES // per_edge))
     return max(EDGE_BLOCK, DEVICE_BLOCK_ENTRIES // per_edge)

@@ -125,7 +125,7 @@ def raw_draws(
     fit ``OUT_ROWS_BYTES`` (a Llama-3-8B shape: 34 MiB per draw, 272 MiB for 8 draws).
     """
     generator = torch.Generator(device=device).manual_seed(seed)
-    keep = n_draws * (v_shape.numel() + o_shape.numel()) <= chunks.CHUNK_ENTRIES
+    keep = n_draws * (v_shape.numel() + o_shape.numel()) <= chunks.chunk_entries(device)
     row_bytes = field_defect.output_gram_rows_numel(v_shape[0], v_shape[2]) * dtype.itemsize
     out_rows = n_draws * row_bytes <= OUT_ROWS_BYTES
     draws, kept = [], []
@@ -277,12 +277,12 @@ def key_draws(
     values_seed = _key_seed(seed, n_keys, "values")
     values = torch.Generator(device=device).manual_seed(values_seed)
     perp = torch.Generator(device=device).manual_seed(_key_seed(seed, n_keys, "perp"))
-    keep = n_draws * n_keys * width <= chunks.CHUNK_ENTRIES
+    keep = n_draws * n_keys * width <= chunks.chunk_entries(device)
     norms, kept = [], []
     for (_, R_O), raw_draw in zip(raw.factors(), raw.draws, strict=True):
         Y = torch.randn((n_keys, n_value * d_head), dtype=dtype, device=device, generator=values)
         gram = einsum(*(Y.view(n_keys, n_value, d_head),) * 2, "n k p, n k q -> k p q")
-        for rows in chunks.query_chunks(d_model - n_keys, width):
+        for rows in chunks.query_chunks(d_model - n_keys, width, device=device):
             block = torch.randn(
                 (min(rows.stop, d_model - n_keys) - rows.start, n_value, d_head),
                 dtype=dtype, device=device, generator=perp,

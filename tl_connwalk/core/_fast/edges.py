@@ -38,7 +38,9 @@ def edge_frobenius_sq(
     """
     batch, n_heads, n_query, n_key = gates.shape
     out = gates.new_zeros(batch, n_query, n_key)
-    for rows, keys in edge_chunks(n_query, n_key, batch * n_heads * n_key, query_chunk, walk):
+    for rows, keys in edge_chunks(
+        n_query, n_key, batch * n_heads * n_key, query_chunk, walk, gates.device
+    ):
         g = gates[:, :, rows, :keys]
         mixed = einsum(g, K2, "batch a query key, a b -> batch b query key")
         out[:, rows, :keys] = einsum(
@@ -190,7 +192,7 @@ def _edge_gram_defects(
     batch, n_heads, n_query, n_key = gates.shape
     eps = gates.new_zeros(batch, n_query, n_key)  # filled chunk by chunk (see `query_chunks`)
     per_query = batch * n_key * (n_heads + 1)
-    for rows, keys in edge_chunks(n_query, n_key, per_query, query_chunk, walk):
+    for rows, keys in edge_chunks(n_query, n_key, per_query, query_chunk, walk, gates.device):
         if keys == 0:  # no edge in these rows
             continue
         chunk, _ = _family_gram_defects(_heads_by_edge(gates[:, :, rows, :keys]), families, rank)
@@ -344,7 +346,7 @@ def stacked_gram_means(
     # the edges of each chunk of rows that carry weight, listed: no work on the future of a
     # causal walk, on a dropped sink or on edges left out (1.1x faster than whole rows)
     per_query = stack * batch * n_key * (n_heads + 3 * families + 6)
-    for rows in query_chunks(n_query, per_query, query_chunk):
+    for rows in query_chunks(n_query, per_query, query_chunk, gates.device):
         weight = weights[:, :, rows]
         b, i, j = (weight > 0).any(0).nonzero(as_tuple=True)
         if b.numel() == 0:
@@ -419,7 +421,8 @@ def edge_singular_values(
     R_O = rearrange(R_O, "s (head d_head) -> s head d_head", head=n_heads)
     batch, _, n_query, n_key = gates.shape
     out = gates.new_empty(batch, n_query, n_key, min(R_V.shape[0], R_O.shape[0]))
-    for rows in query_chunks(n_query, batch * n_key * R_V.shape[0] * R_O.shape[0]):
+    per_query = batch * n_key * R_V.shape[0] * R_O.shape[0]
+    for rows in query_chunks(n_query, per_query, device=gates.device):
         core = einsum(
             R_V,
             n_heads * gates[:, :, rows],

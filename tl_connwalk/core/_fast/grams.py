@@ -140,7 +140,7 @@ def grams_of_factor_grams(
     n_heads, _, d_head, _ = gram_v.shape
     K2 = einsum(gram_v, gram_o, "a b p q, a b p q -> a b")  # GO[b,a] = GO[a,b]^T
     K4 = gram_v.new_empty(n_heads, n_heads, n_heads, n_heads)
-    step = max(1, chunks.CHUNK_ENTRIES // (8 * n_heads * d_head * d_head))
+    step = max(1, chunks.chunk_entries(gram_v.device) // (8 * n_heads * d_head * d_head))
     for b in range(n_heads):
         for start in range(0, n_heads, step):
             cs = slice(start, start + step)

@@ -278,7 +278,8 @@ def _value_grams(
             raise ConnWalkError("message Grams need W_O or out_rows (one of them).")
         grams = None
         # a quarter of the chunk budget: larger blocks only raise the peak (8B: 64 MiB more)
-        for block in query_chunks(n_rows, copies * 4 * n_heads * W_O.shape[-1]):
+        per_row = copies * 4 * n_heads * W_O.shape[-1]
+        for block in query_chunks(n_rows, per_row, device=rows_like.device):
             v = values_of(block).unflatten(-1, (n_heads, d_head))
             messages = einsum(v, W_O, "... row head p, head p d -> ... row head d")
             part = messages @ messages.mT
@@ -298,7 +299,8 @@ def _value_grams(
     # per row and copy: the forms, beside the values, their copy with the partners' heads
     # wrapped around and the product's operands (each at most H d_head): one batched product
     # per block of rows for every head, draw, sequence and stacked layer
-    for block in query_chunks(n_rows, copies * (n_shift + 4) * n_heads * d_head):
+    per_row = copies * (n_shift + 4) * n_heads * d_head
+    for block in query_chunks(n_rows, per_row, device=rows_like.device):
         v = values_of(block).unflatten(-1, (n_heads, d_head))
         if grams is None:
             grams = v.new_empty(*v.shape[:-3], n_rows, n_heads, n_heads)
