@@ -53,4 +53,3 @@ def test_device_budgets_batch_the_table_without_changing_it(monkeypatch):
         equal_nan=True,
     )
     assert (got[numbers].isna() == expected[numbers].isna()).all().all()
-

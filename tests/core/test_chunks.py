@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tl_connwalk.core import isometry, laplacian
-from tl_connwalk.core._fast import chunks
+from tl_connwalk.core._fast import chunks, quartic
 
 
 @pytest.mark.parametrize("module", [isometry, laplacian], ids=lambda m: m.__name__)
@@ -46,3 +46,22 @@ def test_device_budgets_apply_on_the_cpu_inside_the_block_only():
         raise RuntimeError("inside")
     assert not chunks.on_device(cpu)
     assert chunks.chunk_entries(cpu) == chunks.CHUNK_ENTRIES
+
+
+@pytest.mark.parametrize("gib", [80, 16, 1])
+def test_a_cuda_device_caps_the_device_budgets_by_its_memory(gib, monkeypatch):
+    cuda = torch.device("cuda", 0)
+    # a GPU of this memory: `_memory_of` reads CUDA's device properties
+    monkeypatch.setattr(chunks, "_memory_of", lambda d: gib * 2**30 if d.type == "cuda" else None)
+    cap = max(chunks.CHUNK_ENTRIES, gib * 2**30 // chunks.DEVICE_MEMORY_SHARE)
+    assert chunks.chunk_entries(cuda) == min(chunks.DEVICE_CHUNK_ENTRIES, cap)
+    assert {80: 2**28, 16: 2**26, 1: 2**24}[gib] == chunks.chunk_entries(cuda)
+    # the quartic forms' blocks: as many edges as the capped budget of products holds
+    rows = quartic.quartic_rows(torch.zeros(2, 3, 4, 4), torch.zeros(2, 3, 10, 10))
+    per_edge = rows.outputs * 3 * 2  # families, stacked problems
+    width = chunks.edge_block(cuda, rows)
+    assert width == max(chunks.EDGE_BLOCK, min(chunks.DEVICE_BLOCK_ENTRIES, cap) // per_edge)
+    # other devices, and the CPU inside device_budgets, take the budgets uncapped
+    assert chunks.chunk_entries(torch.device("mps")) == chunks.DEVICE_CHUNK_ENTRIES
+    with chunks.device_budgets():
+        assert chunks.chunk_entries(torch.device("cpu")) == chunks.DEVICE_CHUNK_ENTRIES

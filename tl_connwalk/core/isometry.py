@@ -31,6 +31,7 @@ from tl_connwalk.core._fast.chunks import (
     CHUNK_ENTRIES,
     DEVICE_BLOCK_ENTRIES,
     DEVICE_CHUNK_ENTRIES,
+    DEVICE_MEMORY_SHARE,
     EDGE_BLOCK,
     query_chunks,
 )
@@ -91,6 +92,7 @@ __all__ = [
     "CHUNK_ENTRIES",
     "DEVICE_BLOCK_ENTRIES",
     "DEVICE_CHUNK_ENTRIES",
+    "DEVICE_MEMORY_SHARE",
     "EDGE_BLOCK",
     "GramMeans",
     "RandomBaseline",

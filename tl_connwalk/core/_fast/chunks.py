@@ -2,6 +2,7 @@
 chunk holds, so that memory stays at the pattern's size plus one chunk. Results never depend
 on them."""
 
+import functools
 import sys
 import types
 from collections.abc import Iterator
@@ -20,7 +21,8 @@ CHUNK_ENTRIES = 2**24
 
 
 #: The same budget on other devices (CUDA, MPS), where every chunk costs a fixed number of
-#: kernel launches whatever its size (`chunk_entries`): 1 GiB of float32 numbers.
+#: kernel launches whatever its size (`chunk_entries`): 1 GiB of float32 numbers, less on a
+#: small GPU (`DEVICE_MEMORY_SHARE`).
 DEVICE_CHUNK_ENTRIES = 2**28
 
 
@@ -29,12 +31,23 @@ EDGE_BLOCK = 4096
 
 
 #: Numbers in one block's products on other devices (CUDA, MPS), where a block costs kernel
-#: launches rather than cache misses (`edge_block`).
+#: launches rather than cache misses (`edge_block`), less on a small GPU.
 DEVICE_BLOCK_ENTRIES = 2**28
 
 
+#: On a CUDA device both device budgets are at most its memory (bytes) over this: the
+#: measurements hold about four budgets' numbers at once (the chunk, the quartic forms'
+#: products and a group of layers with its stacked copy), so that is ~16 bytes per entry of
+#: the budget in float32, and the peak stays near a sixteenth of the device (80 GiB: the
+#: full 2**28; 16 GiB: 2**26).
+DEVICE_MEMORY_SHARE = 256
+
+
 #: The budgets above; the public modules that show them forward reads and assignments here.
-BUDGETS = ("CHUNK_ENTRIES", "DEVICE_BLOCK_ENTRIES", "DEVICE_CHUNK_ENTRIES", "EDGE_BLOCK")
+BUDGETS = (
+    "CHUNK_ENTRIES", "DEVICE_BLOCK_ENTRIES", "DEVICE_CHUNK_ENTRIES", "DEVICE_MEMORY_SHARE",
+    "EDGE_BLOCK",
+)  # fmt: skip
 
 #: Whether `device_budgets` is in force: the device budgets on the CPU as well.
 _everywhere = False
@@ -74,9 +87,26 @@ def on_device(device: torch.device | None) -> bool:
     return _everywhere or (device is not None and device.type != "cpu")
 
 
+@functools.cache
+def _memory_of(device: torch.device) -> int | None:
+    """Bytes of memory of a CUDA device (``None`` for other devices, or without CUDA)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(device).total_memory)
+
+
+def _device_budget(entries: int, device: torch.device | None) -> int:
+    """``entries`` capped at the device's memory over ``DEVICE_MEMORY_SHARE`` (CUDA)."""
+    memory = None if device is None else _memory_of(device)
+    if memory is None:
+        return entries
+    return min(entries, max(CHUNK_ENTRIES, memory // DEVICE_MEMORY_SHARE))
+
+
 def chunk_entries(device: torch.device | None = None) -> int:
-    """The chunk budget of work on ``device``: ``DEVICE_CHUNK_ENTRIES`` where `on_device`, else
-    ``CHUNK_ENTRIES``.
+    """The chunk budget of work on ``device``: ``DEVICE_CHUNK_ENTRIES`` where `on_device`
+    (capped on a CUDA device at its memory over ``DEVICE_MEMORY_SHARE``, at least
+    ``CHUNK_ENTRIES``), else ``CHUNK_ENTRIES``.
 
     >>> chunk_entries(torch.device("cpu")) == CHUNK_ENTRIES
     True
@@ -84,7 +114,7 @@ def chunk_entries(device: torch.device | None = None) -> int:
     ...     chunk_entries(torch.device("cpu")) == DEVICE_CHUNK_ENTRIES
     True
     """
-    return DEVICE_CHUNK_ENTRIES if on_device(device) else CHUNK_ENTRIES
+    return _device_budget(DEVICE_CHUNK_ENTRIES, device) if on_device(device) else CHUNK_ENTRIES
 
 
 @contextmanager
@@ -150,9 +180,10 @@ def edge_block(device: torch.device, rows: QuarticRows) -> int:
     """Edges per block of `_family_gram_defects`: ``EDGE_BLOCK`` on the CPU (at most as many
     as keep a block's products, ``QuarticRows.outputs`` per family, stacked problem and edge,
     within ``CHUNK_ENTRIES`` numbers); elsewhere (`on_device`) as many as fill
-    ``DEVICE_BLOCK_ENTRIES`` numbers of products, at least ``EDGE_BLOCK``.
+    ``DEVICE_BLOCK_ENTRIES`` numbers of products (capped as `chunk_entries` is), at least
+    ``EDGE_BLOCK``.
     """
     per_edge = rows.outputs * rows.families * rows.stack
     if not on_device(device):
         return max(1, min(EDGE_BLOCK, CHUNK_ENTRIES // per_edge))
-    return max(EDGE_BLOCK, DEVICE_BLOCK_ENTRIES // per_edge)
+    return max(EDGE_BLOCK, _device_budget(DEVICE_BLOCK_ENTRIES, device) // per_edge)
