@@ -8,7 +8,7 @@ import tl_connwalk
 from tests.architectures import tokens
 from tests.tolerances import cancelling_atol
 from tl_connwalk.core._fast import chunks
-from tl_connwalk.debug import count_operations, device_budgets, operations_of
+from tl_connwalk.debug import count_operations, device_budgets, on_device, operations_of
 from tl_connwalk.toy import random_bridge
 
 
@@ -42,7 +42,7 @@ def test_device_budgets_batch_the_table_without_changing_it(monkeypatch):
         on_gpu = operations_of(table).total
         got = table()
     assert on_gpu < on_cpu / 2
-    assert not chunks.on_device(torch.device("cpu"))  # the budgets end with the block
+    assert not on_device(torch.device("cpu"))  # the budgets end with the block
     assert got.columns.tolist() == expected.columns.tolist()
     numbers = expected.select_dtypes("number").columns
     np.testing.assert_allclose(

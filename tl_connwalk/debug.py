@@ -13,9 +13,9 @@ operations.
 >>> counted.total, counted.by_operation["aten.add"]
 (2, 1)
 
-On a GPU the measurements take larger chunks and blocks than on a CPU (fewer launches, more
-memory). `device_budgets` sizes them as on a GPU on every device, so that a CPU counts what a
-GPU would launch:
+On a GPU the measurements take larger chunks, blocks and products than on a CPU (fewer
+launches, more memory; `on_device` says where). `device_budgets` sizes them as on a GPU on
+every device, so that a CPU counts what a GPU would launch:
 
 >>> from tl_connwalk.debug import device_budgets
 >>> with device_budgets(), count_operations() as counted:
@@ -30,11 +30,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tl_connwalk.core._fast.chunks import device_budgets
-
-__all__ = ["OperationCount", "count_operations", "device_budgets", "operations_of"]
+__all__ = ["OperationCount", "count_operations", "device_budgets", "on_device", "operations_of"]
 
 
 @dataclass
@@ -97,3 +96,36 @@ def operations_of(fn: Callable[[], object]) -> OperationCount:
     with count_operations() as counted:
         fn()
     return counted
+
+
+#: Whether `device_budgets` is in force: the device sizes on the CPU as well.
+_everywhere = False
+
+
+def on_device(device: torch.device | None) -> bool:
+    """Whether work on ``device`` takes a GPU's sizes (`tl_connwalk.core._fast.chunks`,
+    `~.quartic`: on every device but the CPU a fixed number of operations costs a fixed number
+    of kernel launches whatever their size, so chunks, blocks and products are made large and
+    few there): any device but the CPU, and the CPU too inside `device_budgets`. ``None`` (no
+    tensor to tell) is the CPU."""
+    return _everywhere or (device is not None and device.type != "cpu")
+
+
+@contextmanager
+def device_budgets() -> Iterator[None]:
+    """Chunks, blocks and products sized as on a GPU, on every device: what the work launches
+    on a GPU, counted on a CPU (`tl_connwalk.debug.count_operations`). Results do not depend
+    on the sizes; the CPU runs slower and holds more memory inside.
+
+    >>> with device_budgets():
+    ...     on_device(torch.device("cpu"))
+    True
+    >>> on_device(torch.device("cpu"))
+    False
+    """
+    global _everywhere
+    before, _everywhere = _everywhere, True
+    try:
+        yield
+    finally:
+        _everywhere = before

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from tl_connwalk import debug
 from tl_connwalk.core import isometry, laplacian
 from tl_connwalk.core._fast import chunks, quartic
 
@@ -38,13 +39,13 @@ def test_devices_other_than_the_cpu_take_the_device_budget():
 
 def test_device_budgets_apply_on_the_cpu_inside_the_block_only():
     cpu = torch.device("cpu")
-    with pytest.raises(RuntimeError, match="inside"), chunks.device_budgets():
-        assert chunks.on_device(cpu)
-        with chunks.device_budgets():  # nested: still in force after the inner block
+    with pytest.raises(RuntimeError, match="inside"), debug.device_budgets():
+        assert debug.on_device(cpu)
+        with debug.device_budgets():  # nested: still in force after the inner block
             pass
         assert chunks.chunk_entries(cpu) == chunks.DEVICE_CHUNK_ENTRIES
         raise RuntimeError("inside")
-    assert not chunks.on_device(cpu)
+    assert not debug.on_device(cpu)
     assert chunks.chunk_entries(cpu) == chunks.CHUNK_ENTRIES
 
 
@@ -63,5 +64,5 @@ def test_a_cuda_device_caps_the_device_budgets_by_its_memory(gib, monkeypatch):
     assert width == max(chunks.EDGE_BLOCK, min(chunks.DEVICE_BLOCK_ENTRIES, cap) // per_edge)
     # other devices, and the CPU inside device_budgets, take the budgets uncapped
     assert chunks.chunk_entries(torch.device("mps")) == chunks.DEVICE_CHUNK_ENTRIES
-    with chunks.device_budgets():
+    with debug.device_budgets():
         assert chunks.chunk_entries(torch.device("cpu")) == chunks.DEVICE_CHUNK_ENTRIES

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.tolerances import assert_close
+from tl_connwalk import debug
 from tl_connwalk.core._fast import quartic
 
 F64 = torch.float64
@@ -111,3 +112,26 @@ def test_fewer_products_than_the_triangle_for_many_heads():
         # the products' outputs: fewer than one per pair where ranges run transposed
         zeros = torch.zeros(3, n_heads, n_heads), torch.zeros(3, n_pairs, n_pairs)
         assert quartic.quartic_rows(*zeros).outputs < 1 + n_pairs
+
+
+def test_a_gpu_takes_fewer_larger_products():
+    """On a GPU a product costs a kernel launch: its ranges come from ``DEVICE_PRODUCT_COST``,
+    on any device inside `device_budgets`, and give the same forms."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device name: nothing allocated
+    for n_heads, families, most in ((12, 9, 2), (32, 9, 7)):
+        on_gpu = quartic._ranges(n_heads, families, cuda)
+        assert on_gpu == quartic._cheapest_ranges(
+            n_heads, families, quartic.DEVICE_PRODUCT_COST, quartic.ROW_COST
+        )
+        assert len(on_gpu) <= most < len(quartic._ranges(n_heads, families, cpu))
+        with debug.device_budgets():
+            assert quartic._ranges(n_heads, families, cpu) == on_gpu
+    generator = torch.Generator().manual_seed(0)
+    K2 = torch.randn(9, 12, 12, generator=generator, dtype=F64)
+    pair_gram = torch.randn(9, 78, 78, generator=generator, dtype=F64)
+    g = torch.rand(12, 37, generator=generator, dtype=F64)
+    with debug.device_budgets():
+        rows = quartic.quartic_rows(K2, pair_gram)
+    assert len(rows.ranges) < len(quartic.quartic_rows(K2, pair_gram).ranges)
+    for got, want in zip(quartic.forms(g, rows, 8), direct_forms(g, K2, pair_gram), strict=True):
+        assert_close(got, want, terms=12**4)

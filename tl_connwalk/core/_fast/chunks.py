@@ -5,8 +5,6 @@ on them."""
 import functools
 import sys
 import types
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -14,6 +12,7 @@ from einops import reduce
 from torch import Tensor
 
 from tl_connwalk.core._fast.quartic import QuarticRows
+from tl_connwalk.debug import on_device
 
 #: Working-memory budget (entries) of the chunked contractions below, on the CPU: small
 #: chunks keep the temporaries in cache.
@@ -49,9 +48,6 @@ BUDGETS = (
     "EDGE_BLOCK",
 )  # fmt: skip
 
-#: Whether `device_budgets` is in force: the device budgets on the CPU as well.
-_everywhere = False
-
 
 class _ForwardedBudgets(types.ModuleType):
     """A module whose budget names read and set the values of this one."""
@@ -80,13 +76,6 @@ def forward_budgets(module: str) -> None:
     sys.modules[module].__class__ = _ForwardedBudgets
 
 
-def on_device(device: torch.device | None) -> bool:
-    """Whether work on ``device`` takes the device budgets (``DEVICE_CHUNK_ENTRIES``,
-    ``DEVICE_BLOCK_ENTRIES``): any device but the CPU, and the CPU too inside `device_budgets`.
-    ``None`` (no tensor to tell) is the CPU."""
-    return _everywhere or (device is not None and device.type != "cpu")
-
-
 @functools.cache
 def _memory_of(device: torch.device) -> int | None:
     """Bytes of memory of a CUDA device (``None`` for other devices, or without CUDA)."""
@@ -104,31 +93,19 @@ def _device_budget(entries: int, device: torch.device | None) -> int:
 
 
 def chunk_entries(device: torch.device | None = None) -> int:
-    """The chunk budget of work on ``device``: ``DEVICE_CHUNK_ENTRIES`` where `on_device`
+    """The chunk budget of work on ``device``: ``DEVICE_CHUNK_ENTRIES`` where it takes a GPU's
+    sizes (`tl_connwalk.debug.on_device`)
     (capped on a CUDA device at its memory over ``DEVICE_MEMORY_SHARE``, at least
     ``CHUNK_ENTRIES``), else ``CHUNK_ENTRIES``.
 
     >>> chunk_entries(torch.device("cpu")) == CHUNK_ENTRIES
     True
+    >>> from tl_connwalk.debug import device_budgets
     >>> with device_budgets():
     ...     chunk_entries(torch.device("cpu")) == DEVICE_CHUNK_ENTRIES
     True
     """
     return _device_budget(DEVICE_CHUNK_ENTRIES, device) if on_device(device) else CHUNK_ENTRIES
-
-
-@contextmanager
-def device_budgets() -> Iterator[None]:
-    """Chunks and blocks sized as on a GPU, on every device: what the work launches on a GPU,
-    counted on a CPU (`tl_connwalk.debug.count_operations`). Results do not depend on the
-    budgets; the CPU runs slower and holds more memory inside.
-    """
-    global _everywhere
-    before, _everywhere = _everywhere, True
-    try:
-        yield
-    finally:
-        _everywhere = before
 
 
 def query_chunks(
@@ -179,7 +156,7 @@ def edge_chunks(
 def edge_block(device: torch.device, rows: QuarticRows) -> int:
     """Edges per block of `_family_gram_defects`: ``EDGE_BLOCK`` on the CPU (at most as many
     as keep a block's products, ``QuarticRows.outputs`` per family, stacked problem and edge,
-    within ``CHUNK_ENTRIES`` numbers); elsewhere (`on_device`) as many as fill
+    within ``CHUNK_ENTRIES`` numbers); on a GPU (`on_device`) as many as fill
     ``DEVICE_BLOCK_ENTRIES`` numbers of products (capped as `chunk_entries` is), at least
     ``EDGE_BLOCK``.
     """

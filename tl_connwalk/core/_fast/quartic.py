@@ -37,6 +37,7 @@ from einops import rearrange
 from torch import Tensor
 
 from tl_connwalk.core._fast.lru import memoized
+from tl_connwalk.debug import on_device
 from tl_connwalk.errors import ConnWalkError
 
 #: The cost model of one range's product over a block of edges, in multiply-adds per edge:
@@ -44,6 +45,13 @@ from tl_connwalk.errors import ConnWalkError
 #: (one CPU thread, 4096 edges: 0.086 ms, 0.93 us per row, 0.1 us per multiply-add per edge).
 PRODUCT_COST = 860
 ROW_COST = 9
+
+#: The fixed cost of a product on a GPU, in the same multiply-adds per edge: a kernel launch
+#: (~10 us of host and launch latency, ~2.5e8 multiply-adds of float32 work there) over the
+#: ~10^4 edges of a block (`tl_connwalk.core._fast.chunks.edge_block`). Fewer, larger
+#: products: for ``H = 32`` and nine families 7 ranges instead of 28 (65261 multiply-adds per
+#: family and edge instead of 53350), for ``H = 12`` 2 instead of 5.
+DEVICE_PRODUCT_COST = 20000
 
 
 def head_pairs(n_heads: int, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
@@ -74,9 +82,11 @@ class _Range(NamedTuple):
         return slice(self.b0 * (self.b0 + 1) // 2, self.b1 * (self.b1 + 1) // 2)
 
 
-def _ranges(n_heads: int, families: int) -> tuple[_Range, ...]:
-    """`_cheapest_ranges` under the current ``PRODUCT_COST`` and ``ROW_COST``."""
-    return _cheapest_ranges(n_heads, families, PRODUCT_COST, ROW_COST)
+def _ranges(n_heads: int, families: int, device: torch.device | None = None) -> tuple[_Range, ...]:
+    """`_cheapest_ranges` under the current ``PRODUCT_COST`` (``DEVICE_PRODUCT_COST`` for work
+    on a GPU, `on_device`) and ``ROW_COST``."""
+    product_cost = DEVICE_PRODUCT_COST if on_device(device) else PRODUCT_COST
+    return _cheapest_ranges(n_heads, families, product_cost, ROW_COST)
 
 
 @memoized("core.quartic.ranges", maxsize=16)
@@ -188,7 +198,7 @@ def quartic_rows(K2: Tensor, pair_gram: Tensor) -> QuarticRows:
     k = torch.where(
         first == second, K2[..., first, second], K2[..., first, second] + K2[..., second, first]
     )
-    ranges = _ranges(n_heads, families)
+    ranges = _ranges(n_heads, families, K2.device)
     blocks, multipliers = [], []
     factors: list[Tensor | None] = []  # a transposed range's row pairs: its product's factor
     for part in ranges:
