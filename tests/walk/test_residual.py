@@ -10,7 +10,9 @@ import tl_connwalk
 from tests.architectures import tokens
 from tests.tolerances import assert_close, cancelling_atol
 from tl_connwalk.core import reference as ref
+from tl_connwalk.core._fast import head_grams as fast_head_grams
 from tl_connwalk.toy import random_bridge
+from tl_connwalk.walk import _layer_terms as layer_terms
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama", "bert"])
@@ -150,19 +152,36 @@ def _tensors(value, prefix=""):
 @pytest.mark.parametrize(
     "options",
     [{}, {"exclude_sink": True}, {"mass_share": 0.9}, {"heads": [0, 2]},
-     {"edges": lambda q, k: k <= q - 1}, {"mu": "teleport", "query_chunk": 2}, {"pos": 20}],
-    ids=["plain", "sink", "mass", "heads", "edges", "teleport", "more_keys_than_d_model"],
+     {"edges": lambda q, k: k <= q - 1}, {"mu": "teleport", "query_chunk": 2}, {"pos": 20},
+     {"wide": True}],
+    ids=["plain", "sink", "mass", "heads", "edges", "teleport", "more_keys_than_d_model",
+         "wide_heads"],
 )  # fmt: skip
-def test_stacked_layers_measure_as_each_layer_alone(arch, options):
+def test_stacked_layers_measure_as_each_layer_alone(arch, options, monkeypatch, request):
     """`ConnectionWalk.laplacian_residuals` (every layer's per-edge work, message Grams and
     Markov conditions stacked) gives each layer's `laplacian_residual` of the walk alone;
     with more keys than ``d_model`` the field draws take each draw's ``R_V``, not the keys'
-    route."""
+    route; with heads too wide to keep their output-Gram rows each layer's field takes its
+    messages, its draws stacked with the other layers'."""
     options = dict(options)
+    stacked_draws = None  # with wide heads: the layers whose draws' message Grams are made together
+    if options.pop("wide", False):
+        monkeypatch.setattr(fast_head_grams, "OUT_GRAM_WIDTH", 8)  # H d_head = 16 is wider
+        tl_connwalk.clear_caches()  # no head Grams with output-Gram rows, before or after
+        request.addfinalizer(tl_connwalk.clear_caches)
+        stacked_draws = []
+        made = layer_terms.stacked_draw_message_grams
+        monkeypatch.setattr(
+            layer_terms,
+            "stacked_draw_message_grams",
+            lambda draws, fields: stacked_draws.append(len(draws)) or made(draws, fields),
+        )
     model = random_bridge(arch, n_layers=3, d_model=16, n_heads=4, n_ctx=32)
     _, cache = model.run_with_cache(tokens(batch=2, pos=options.pop("pos", 6)))
     walks = [tl_connwalk.connection_walk(cache, layer) for layer in range(3)]
     stacked = tl_connwalk.ConnectionWalk.laplacian_residuals(walks, baseline_draws=3, **options)
+    if stacked_draws is not None:
+        assert stacked_draws == [3] and walks[0].n_heads * walks[0].W_V.shape[-1] > 8
     for layer, res in enumerate(stacked):
         alone = tl_connwalk.connection_walk(cache, layer).laplacian_residual(
             baseline_draws=3, **options

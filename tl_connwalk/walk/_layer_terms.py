@@ -143,16 +143,17 @@ class _LayerTerms:
     def stack_message_grams(terms: Sequence["_LayerTerms"], n_draws: int, seed: int) -> None:
         """Make the message Grams of each walk's field and of its ``(n_draws, seed)`` draws
         that ``terms`` lack, stacked over the walks of one head shape, dtype and field shape
-        whose output-Gram rows are kept (`field_defect.stacked_message_grams`,
+        (`field_defect.stacked_message_grams`,
         `tl_connwalk.core.caches.stacked_draw_message_grams`): one batched product per block
         of keys for every head of all of them, after the draws they lack
-        (`stack_layer_draws`). Padded walks and wide heads are left to `message_grams` and
-        `draw_message_grams`, one walk at a time.
+        (`stack_layer_draws`). Padded walks are left to `message_grams` and
+        `draw_message_grams`, one walk at a time; so are the fields' own Grams of heads too
+        wide to keep their output-Gram rows (their draws' are stacked).
         """
         _LayerTerms.stack_layer_draws(terms, n_draws, seed)
         groups: dict[tuple[object, ...], list[_LayerTerms]] = {}
         for term in terms:
-            if term.positions is None and term.heads.out_rows is not None:
+            if term.positions is None:
                 shapes = (
                     term.field.shape, term.field.dtype, term.W_V.shape, term.W_O.shape,
                     term.W_V.dtype, term.W_V.device, term.kv_heads,
@@ -161,7 +162,11 @@ class _LayerTerms:
         for group in groups.values():
             if len(group) < 2:
                 continue
-            own = [term for term in group if term._message_grams is None]
+            own = [
+                term
+                for term in group
+                if term._message_grams is None and term.heads.out_rows is not None
+            ]
             if own:
                 out_rows = [term.heads.out_rows for term in own]
                 grams = field_defect.stacked_message_grams(
