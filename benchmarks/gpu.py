@@ -13,12 +13,12 @@ it finished), then a summary:
    (kernel launches) and times of `geometry_table` against its `run_with_cache`, printed as a
    table.
 4. ``budgets``: `geometry_table` of the GPT-2-small shape at 1,024 tokens with the device's
-   chunk budget (``DEVICE_CHUNK_ENTRIES``) at 2**24 (the CPU's), 2**26 and 2**28 numbers: the
-   median of three warm runs, the peak memory over the cache, the operations and the largest
-   difference from the default budget's table.
+   chunk budget (``DEVICE_CHUNK_ENTRIES``) at 2**24 (the CPU's chunks, the GPU's blocks and
+   products), 2**26 and 2**28 numbers: the median of three warm runs, the peak memory over
+   the cache, the operations and the largest difference from the default budget's table.
 5. ``edge_blocks``: one GPT-2-small-shaped layer at 4096 tokens, ``laplacian_residual`` with
-   the per-edge work in blocks of each width (`chunks.edge_block`; 4096 is the CPU's), the
-   median of three timed runs after one untimed, and the largest difference from the default.
+   the per-edge work in blocks of each number of products (`chunks.edge_block`), the median
+   of three timed runs after one untimed, and the largest difference from the default.
 6. ``gpt2_all``: `bench.all_measurements` on CUDA at 256, 1024 and 4096 tokens.
 7. ``layer``: one Llama-3-8B-shaped layer at 2048 tokens, a GPT-2-small-shaped one at 8192.
 8. ``analyze``: `bench.analyze_throughput` on CUDA.
@@ -84,27 +84,36 @@ def edge_blocks(n_pos: int = 4096) -> list[dict[str, object]]:
     # the layer and two draws: three families of these heads' shape (`edge_block`'s rule)
     rows = quartic.quartic_rows(torch.stack([heads.K2] * 3), torch.stack([heads.pair_gram] * 3))
     default = isometry.DEVICE_BLOCK_ENTRIES
-    results, reference = [], None
-    for entries in (default, 1, 2**22, 2**24, 2**26):  # 1: the CPU's EDGE_BLOCK
-        isometry.DEVICE_BLOCK_ENTRIES = entries
-        res = walk.laplacian_residual(baseline_draws=2)  # untimed: the values compared
-        times = [
-            bench.timed(cuda, lambda: walk.laplacian_residual(baseline_draws=2)) for _ in range(3)
-        ]
-        values = torch.tensor([res.transport_defect.item(), res.scale.item()], dtype=torch.float64)
-        reference = values if reference is None else reference
-        results.append({"entries": entries,
-            "edges_per_block": chunks.edge_block(cuda, rows),
-            "seconds": statistics.median(times),
-            "max_rel_diff": ((values - reference).abs() / reference.abs()).max().item(),
-        })  # fmt: skip
-        print(results[-1], flush=True)
-    isometry.DEVICE_BLOCK_ENTRIES = default
+    results: list[dict[str, object]] = []
+    reference = None
+    try:
+        cpu_width = chunks.EDGE_BLOCK * rows.outputs * rows.families  # the CPU's 4096 edges
+        for entries in (default, cpu_width, 2**22, 2**24, 2**26):
+            isometry.DEVICE_BLOCK_ENTRIES = entries
+            res = walk.laplacian_residual(baseline_draws=2)  # untimed: the values compared
+            times = [
+                bench.timed(cuda, lambda: walk.laplacian_residual(baseline_draws=2))
+                for _ in range(3)
+            ]
+            values = torch.tensor(
+                [res.transport_defect.item(), res.scale.item()], dtype=torch.float64
+            )
+            reference = values if reference is None else reference
+            results.append({"entries": entries,
+                "edges_per_block": chunks.edge_block(cuda, rows),
+                "seconds": statistics.median(times),
+                "max_rel_diff": ((values - reference).abs() / reference.abs()).max().item(),
+            })  # fmt: skip
+            print(results[-1], flush=True)
+    finally:
+        isometry.DEVICE_BLOCK_ENTRIES = default
     return results
 
 
 def budgets(n_pos: int = 1024) -> list[dict[str, object]]:
-    """`geometry_table` of a GPT-2-small-shaped cache under each device chunk budget."""
+    """`geometry_table` of a GPT-2-small-shaped cache under each device chunk budget (the
+    blocks and products as on the GPU); ``chunk_entries``: the budget in force (capped by the
+    device's memory), ``peak_mib``: over the cache and the warm memos."""
     cuda = torch.device("cuda")
     model = bench.gpt2_small(n_pos, cuda)
     tokens = torch.randint(0, VOCAB - 1, (1, n_pos)).to(cuda)
@@ -114,11 +123,13 @@ def budgets(n_pos: int = 1024) -> list[dict[str, object]]:
     try:
         with torch.no_grad():
             _, cache = model.run_with_cache(tokens)
-            for entries in (default, 2**24, 2**26, 2**28):
+            # the default first: the reference of the tables
+            for entries in (default, *sorted({2**24, 2**26, 2**28} - {default})):
                 isometry.DEVICE_CHUNK_ENTRIES = entries
                 table = tl_connwalk.geometry_table(cache, progress=False)  # warm, compared
                 numbers = torch.tensor(table.select_dtypes("number").to_numpy(float))
                 reference = numbers if reference is None else reference
+                same_nans = bool((numbers.isnan() == reference.isnan()).all())
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
@@ -126,11 +137,14 @@ def budgets(n_pos: int = 1024) -> list[dict[str, object]]:
                     bench.timed(cuda, lambda: tl_connwalk.geometry_table(cache, progress=False))
                     for _ in range(3)
                 ]
-                results.append({"entries": entries, "seconds": statistics.median(times),
+                results.append({"entries": entries,
+                    "chunk_entries": chunks.chunk_entries(cuda),
+                    "seconds": statistics.median(times),
                     "peak_mib": (torch.cuda.max_memory_allocated() - base) / 2**20,
                     "operations": operations_of(
                         lambda: tl_connwalk.geometry_table(cache, progress=False)).total,
                     "max_abs_diff": (numbers - reference).abs().nan_to_num().max().item(),
+                    "same_nans": same_nans,
                 })  # fmt: skip
                 print(results[-1], flush=True)
     finally:

@@ -136,7 +136,8 @@ def test_field_draws_through_the_keys_factor_on_cuda_equal_explicit_value_factor
 
 def test_wide_edge_blocks_on_cuda_equal_the_cpu():
     """A GPT-2-small-shaped layer at 512 tokens: on CUDA the per-edge work runs in blocks of
-    ~276k edges (`tl_connwalk.core._fast.chunks.edge_block`), on the CPU in blocks of 4096."""
+    hundreds of thousands of edges (`tl_connwalk.core._fast.chunks.edge_block`), on the CPU
+    in blocks of 4096."""
     from benchmarks.bench import layer_operands
 
     operands = layer_operands(512, "gpt2")

@@ -1,6 +1,8 @@
 """The debug utilities: operation counts, and the device budgets that let a CPU count what a
 GPU launches without changing any result."""
 
+import threading
+
 import numpy as np
 import torch
 
@@ -39,6 +41,8 @@ def test_device_budgets_batch_the_table_without_changing_it(monkeypatch):
     on_cpu = operations_of(table).total
     expected = table()
     with device_budgets():
+        tl_connwalk.clear_caches()  # the draws made again with a GPU's sizes
+        table()
         on_gpu = operations_of(table).total
         got = table()
     assert on_gpu < on_cpu / 2
@@ -53,3 +57,13 @@ def test_device_budgets_batch_the_table_without_changing_it(monkeypatch):
         equal_nan=True,
     )
     assert (got[numbers].isna() == expected[numbers].isna()).all().all()
+
+
+def test_device_budgets_hold_for_the_calling_thread_only():
+    seen = []
+    with device_budgets():
+        other = threading.Thread(target=lambda: seen.append(on_device(torch.device("cpu"))))
+        other.start()
+        other.join()
+        seen.append(on_device(torch.device("cpu")))
+    assert seen == [False, True]

@@ -25,6 +25,7 @@ every device, so that a CPU counts what a GPU would launch:
 """
 
 import collections
+import contextvars
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -98,8 +99,9 @@ def operations_of(fn: Callable[[], object]) -> OperationCount:
     return counted
 
 
-#: Whether `device_budgets` is in force: the device sizes on the CPU as well.
-_everywhere = False
+#: Whether `device_budgets` is in force: the device sizes on the CPU as well (per thread and
+#: async task, as the operation counter is).
+_everywhere: contextvars.ContextVar[bool] = contextvars.ContextVar("device_budgets", default=False)
 
 
 def on_device(device: torch.device | None) -> bool:
@@ -108,14 +110,17 @@ def on_device(device: torch.device | None) -> bool:
     of kernel launches whatever their size, so chunks, blocks and products are made large and
     few there): any device but the CPU, and the CPU too inside `device_budgets`. ``None`` (no
     tensor to tell) is the CPU."""
-    return _everywhere or (device is not None and device.type != "cpu")
+    return _everywhere.get() or (device is not None and device.type != "cpu")
 
 
 @contextmanager
 def device_budgets() -> Iterator[None]:
     """Chunks, blocks and products sized as on a GPU, on every device: what the work launches
     on a GPU, counted on a CPU (`tl_connwalk.debug.count_operations`). Results do not depend
-    on the sizes; the CPU runs slower and holds more memory inside.
+    on the sizes; the CPU runs slower and holds more memory inside. In force for the calling
+    thread only. The random baselines' draws cached before the block keep the sizes they were
+    made with (`tl_connwalk.clear_caches()` first, or a warm-up inside the block, counts them
+    as a GPU would).
 
     >>> with device_budgets():
     ...     on_device(torch.device("cpu"))
@@ -123,9 +128,8 @@ def device_budgets() -> Iterator[None]:
     >>> on_device(torch.device("cpu"))
     False
     """
-    global _everywhere
-    before, _everywhere = _everywhere, True
+    token = _everywhere.set(True)
     try:
         yield
     finally:
-        _everywhere = before
+        _everywhere.reset(token)

@@ -22,8 +22,9 @@ def test_a_budget_set_where_it_is_read_shows_through_the_public_module(monkeypat
     assert isometry.EDGE_BLOCK == 3
 
 
-def test_devices_other_than_the_cpu_take_the_device_budget():
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device name: nothing allocated
+def test_devices_other_than_the_cpu_take_the_device_budget(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(chunks, "_memory_of", lambda device: None)  # a GPU of any memory
     assert chunks.chunk_entries(cpu) == chunks.chunk_entries(None) == chunks.CHUNK_ENTRIES
     assert chunks.chunk_entries(cuda) == chunks.DEVICE_CHUNK_ENTRIES > chunks.CHUNK_ENTRIES
     per_query = chunks.CHUNK_ENTRIES // 4  # 4 rows per chunk on the CPU

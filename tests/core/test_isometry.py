@@ -243,14 +243,18 @@ def test_edge_blocks_split_the_edges_without_changing_them(monkeypatch):
     blocked = fast_edges._family_gram_defects(listed, rows, rank=8)
     for got, expected in zip(blocked, whole, strict=True):
         assert_close(got, expected)
-    # accelerators: blocks as wide as DEVICE_BLOCK_ENTRIES products allow, never narrower
+    # accelerators: blocks as wide as DEVICE_BLOCK_ENTRIES products allow (at least one
+    # edge), whatever EDGE_BLOCK is; no cap by the device's memory here
+    monkeypatch.setattr(chunks, "_memory_of", lambda device: None)
     cuda = torch.device("cuda")
     assert chunks.edge_block(torch.device("cpu"), rows) == 4
     width = chunks.edge_block(cuda, rows)
     assert width == chunks.DEVICE_BLOCK_ENTRIES // (rows.outputs * rows.families) > 4
     assert rows.outputs * rows.families * width <= chunks.DEVICE_BLOCK_ENTRIES
+    monkeypatch.setattr(chunks, "DEVICE_BLOCK_ENTRIES", 3 * rows.outputs * rows.families)
+    assert chunks.edge_block(cuda, rows) == 3
     monkeypatch.setattr(chunks, "DEVICE_BLOCK_ENTRIES", 1)
-    assert chunks.edge_block(cuda, rows) == 4
+    assert chunks.edge_block(cuda, rows) == 1
 
 
 def test_edge_gram_defects_zero_for_scaled_orthogonal_transport():

@@ -117,7 +117,7 @@ def test_fewer_products_than_the_triangle_for_many_heads():
 def test_a_gpu_takes_fewer_larger_products():
     """On a GPU a product costs a kernel launch: its ranges come from ``DEVICE_PRODUCT_COST``,
     on any device inside `device_budgets`, and give the same forms."""
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device name: nothing allocated
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # device names: nothing allocated
     for n_heads, families, most in ((12, 9, 2), (32, 9, 7)):
         on_gpu = quartic._ranges(n_heads, families, cuda)
         assert on_gpu == quartic._cheapest_ranges(

@@ -68,7 +68,7 @@ def check_gates(gates: Tensor, n_heads: int) -> None:
 
 def check_chunk(query_chunk: int | None) -> None:
     check_optional_count(
-        query_chunk, "query_chunk", "automatic, CHUNK_ENTRIES numbers per chunk",
+        query_chunk, "query_chunk", "automatic, the chunk budget's numbers per chunk",
         "number of query rows",
     )  # fmt: skip
 

@@ -128,11 +128,12 @@ def message_norm_ratios(
     """``rho_ij = ||x_j T_ij|| / ||x_j||`` on every pair, ``||x_j T_ij||^2 = H^2 g_ij^T G_j g_ij``.
 
     0 where ``x_j = 0``. Every ``(i, j)`` gets a value; weight by the walk to keep edges.
-    Chunked over queries (``query_chunk`` rows, ``None``: as many as fit
-    ``_fast.chunks.CHUNK_ENTRIES`` numbers); the result does not depend on the chunking. With
-    ``walk``, each chunk stops at its last edge's key and leaves 0 beyond (the future of a
-    causal walk): the same values on every edge, about half the work. ``grams``: the
-    `message_grams` of ``field``, ``W_V``, ``W_O`` when already computed.
+    Chunked over queries (``query_chunk`` rows, ``None``: as many as fit the chunk budget,
+    ``CHUNK_ENTRIES`` numbers on the CPU, ``DEVICE_CHUNK_ENTRIES`` on a GPU); the result does
+    not depend on the chunking. With ``walk``, each chunk stops at its last edge's key and
+    leaves 0 beyond (the future of a causal walk): the same values on every edge, about half
+    the work. ``grams``: the `message_grams` of ``field``, ``W_V``, ``W_O`` when already
+    computed.
 
     >>> A = torch.softmax(torch.randn(1, 2, 3, 3), -1)
     >>> message_norm_ratios(torch.randn(1, 3, 8), A / A.sum(1, keepdim=True),
@@ -283,11 +284,11 @@ def head_field_isometry_defects(
     """Per head: the CV of ``rho^h_j = ||x_j T^h|| / ||x_j||`` weighted by that head's walk.
 
     Head ``h`` alone is the connection walk ``(A^h, T^h)`` with ``A^h = H W g^h``, so its edge
-    ``(i, j)`` weighs ``A^h_ij`` and carries ``rho^h_j``. Since ``rho^h_j`` depends on the key
-    only, the weighted sums run over keys with column weights ``sum_i A^h_ij`` (rows
-    renormalised first when keys are dropped): ``O(batch n^2 H)`` time, chunked over queries
-    (``query_chunk`` rows; ``None``: ``_fast.chunks.CHUNK_ENTRIES`` numbers per chunk). ``edges``
-    ``[batch, query, key]`` keeps only those edges of every head's walk, rows renormalised.
+    ``(i, j)`` weighs ``A^h_ij`` and carries ``rho^h_j``. Since ``rho^h_j`` depends on the key only,
+    the weighted sums run over keys with column weights ``sum_i A^h_ij`` (rows renormalised first
+    when keys are dropped): ``O(batch n^2 H)`` time, chunked over queries (``query_chunk`` rows;
+    ``None``: the chunk budget, ``CHUNK_ENTRIES`` numbers on the CPU). ``edges`` ``[batch, query,
+    key]`` keeps only those edges of every head's walk, rows renormalised.
 
     >>> A = torch.softmax(torch.randn(1, 2, 3, 3), -1)
     >>> head_field_isometry_defects(torch.randn(1, 3, 8), A.mean(1), A / A.sum(1, keepdim=True),

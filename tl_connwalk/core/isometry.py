@@ -312,6 +312,7 @@ def common_scale(
     return walk_weighted_mean(walk, scale, exclude_sink=exclude_sink)
 
 
-# Reading or setting ``CHUNK_ENTRIES``, ``DEVICE_BLOCK_ENTRIES`` or ``EDGE_BLOCK`` here reads or
-# sets the budget every chunked computation uses.
+# Reading or setting ``CHUNK_ENTRIES``, ``DEVICE_CHUNK_ENTRIES``, ``DEVICE_BLOCK_ENTRIES``,
+# ``DEVICE_MEMORY_SHARE`` or ``EDGE_BLOCK`` here reads or sets the budget every chunked
+# computation uses.
 chunks.forward_budgets(__name__)

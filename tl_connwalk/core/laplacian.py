@@ -144,10 +144,10 @@ def nearest_connection_operator_distance(
     at all for paired transports (``T_ji = T_ij^T``) or invertible symmetrisations (e.g.
     generic ``T_ij`` with ``d_model <= H d_head``).
 
-    Cost: one ``d_model x d_model`` SVD per edge, ``O(batch n^2 d_model^3)`` time; memory
-    chunked to ``CHUNK_ENTRIES`` numbers. With ``max_edges`` set and a batch element having
-    more edges, a uniform sample of ``max_edges`` of them is used instead (``exact`` False;
-    see `NearestOperatorDistance`).
+    Cost: one ``d_model x d_model`` SVD per edge, ``O(batch n^2 d_model^3)`` time; memory chunked to
+    ``CHUNK_ENTRIES`` numbers (``DEVICE_CHUNK_ENTRIES`` on a GPU). With ``max_edges`` set and a
+    batch element having more edges, a uniform sample of ``max_edges`` of them is used instead
+    (``exact`` False; see `NearestOperatorDistance`).
 
     >>> A = torch.softmax(torch.randn(1, 2, 4, 4), -1)
     >>> W, g = A.mean(1), A / A.sum(1, keepdim=True)

@@ -367,7 +367,8 @@ def edge_pairing_residuals(
     `tl_connwalk.core.isometry.head_mixed_gram`). Where ``T_ij = 0`` the residual is
     normalised by ``||T_ji||_F`` instead (so it is 1), and where both are 0 it is 0. Loses half
     the working precision near 0 (a difference of nearly equal numbers). Chunked over queries
-    (``query_chunk`` rows; ``None``: as many as fit ``_fast.chunks.CHUNK_ENTRIES`` numbers), with
+    (``query_chunk`` rows; ``None``: as many as fit the chunk budget, ``CHUNK_ENTRIES`` numbers
+    on the CPU, ``DEVICE_CHUNK_ENTRIES`` on a GPU), with
     the same result whatever the chunking.
 
     >>> K2 = head_gram(torch.randn(2, 8, 4), torch.randn(2, 4, 8))

@@ -198,7 +198,9 @@ def laplacian_residual(
             renormalised over them; ``mass_covered`` reports the share they actually carry.
             ``None`` (default): every edge.
         query_chunk: query rows per chunk of the per-edge work (``None``: as many as fit
-            ``_fast.chunks.CHUNK_ENTRIES`` numbers); the results do not depend on it.
+            the chunk budget, ``CHUNK_ENTRIES`` numbers on the CPU and
+            ``DEVICE_CHUNK_ENTRIES`` on a GPU, `tl_connwalk.core.isometry`); the results do
+            not depend on it.
         memo: the walk's `Memo` (`ConnectionWalk` passes its own): what another call on
             the same walk can reuse; ``None``: nothing is kept.
 
@@ -250,8 +252,8 @@ def laplacian_residuals(
     defects with the walks side by side as one batch. So the number of tensor operations (on
     a GPU, kernel launches) grows little with the number of walks; memory holds one stacked
     copy of the walks' patterns and gates: pass as many walks as that allows
-    (`tl_connwalk.analysis.geometry_table` passes the layers whose gates fit
-    ``_fast.chunks.CHUNK_ENTRIES`` numbers). ``memos``: each walk's `Memo` (``None``: a
+    (`tl_connwalk.analysis.geometry_table` passes the layers whose gates fit the chunk
+    budget). ``memos``: each walk's `Memo` (``None``: a
     fresh one).
     """
     if baseline_draws < 2:

@@ -157,10 +157,9 @@ def edge_block(device: torch.device, rows: QuarticRows) -> int:
     """Edges per block of `_family_gram_defects`: ``EDGE_BLOCK`` on the CPU (at most as many
     as keep a block's products, ``QuarticRows.outputs`` per family, stacked problem and edge,
     within ``CHUNK_ENTRIES`` numbers); on a GPU (`on_device`) as many as fill
-    ``DEVICE_BLOCK_ENTRIES`` numbers of products (capped as `chunk_entries` is), at least
-    ``EDGE_BLOCK``.
+    ``DEVICE_BLOCK_ENTRIES`` numbers of products (capped as `chunk_entries` is), at least one.
     """
     per_edge = rows.outputs * rows.families * rows.stack
     if not on_device(device):
         return max(1, min(EDGE_BLOCK, CHUNK_ENTRIES // per_edge))
-    return max(EDGE_BLOCK, _device_budget(DEVICE_BLOCK_ENTRIES, device) // per_edge)
+    return max(1, _device_budget(DEVICE_BLOCK_ENTRIES, device) // per_edge)

@@ -64,8 +64,8 @@ class RawDraws:
 
     ``grams`` holds every draw's `head_grams.HeadGrams`, stacked (each tensor ``[draw,
     ...]``: the layers' measurements take all draws in one batched product); ``draws`` gives
-    them one by one. ``kept`` holds the factors themselves when all of them fit
-    ``CHUNK_ENTRIES`` numbers (GPT-2 small: 8 draws are 9.4M); otherwise `factors` draws them
+    them one by one. ``kept`` holds the factors themselves when all of them fit the chunk
+    budget (`chunks.chunk_entries`; GPT-2 small: 8 draws are 9.4M); otherwise `factors` draws them
     again from the seed (the same numbers) instead of holding them.
     """
 
@@ -211,7 +211,7 @@ class KeyDraws:
     ``norms_sq[d, h]`` is ``||Z^{kv(h)} R_O^h||_F^2`` of draw ``d``'s implied Gaussian ``Z``
     (module docstring). ``kept`` holds each draw's standard Gaussian ``Y`` ``[n_keys, H
     d_head]`` (value heads expanded to the query heads that read them) when all of them fit
-    ``CHUNK_ENTRIES`` numbers; otherwise `values` draws them again from their seed.
+    the chunk budget (`chunks.chunk_entries`); otherwise `values` draws them again from their seed.
     """
 
     n_keys: int

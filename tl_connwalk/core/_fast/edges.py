@@ -129,8 +129,8 @@ def edge_gram_defects(
 
     ``edges`` (e.g. `heaviest_edges`) restricts the work to those pairs, gathered into a
     list (``O(n_kept H^4 / 24)``); every other pair gets 0. ``query_chunk`` sets the number of
-    query rows per chunk of the all-edge path (``None``: as many as fit ``CHUNK_ENTRIES``
-    numbers); the result does not depend on it.
+    query rows per chunk of the all-edge path (``None``: as many as fit the chunk budget,
+    `chunks.chunk_entries`); the result does not depend on it.
 
     In the working dtype the closed form loses half the digits near 0 (it subtracts two
     nearly equal numbers): defects below ``~sqrt(machine eps)`` read as noise in float32.
@@ -255,8 +255,8 @@ def gram_means(
     read once and each chunk's ``eps`` and ``||T_ij||_F / sqrt(r)`` of every family are folded
     into walk-weighted means at once (`walk_weighted_mean`, same ``exclude_sink`` and
     ``edges``), so no ``[batch, n, n]`` value is kept per family. Time ``O(batch n^2 family H^4
-    / 24)``, memory the walk's size plus one chunk (``query_chunk`` rows, ``None``:
-    ``CHUNK_ENTRIES`` numbers).
+    / 24)``, memory the walk's size plus one chunk (``query_chunk`` rows, ``None``: the chunk
+    budget, `chunks.chunk_entries`).
 
     >>> A = torch.softmax(torch.randn(1, 2, 4, 4), -1)
     >>> from tl_connwalk.core._fast.grams import gram_matrices
@@ -297,8 +297,8 @@ def stacked_gram_means(
     every walk's gates of them go through one batched product per range of the quartic forms
     (`tl_connwalk.core._fast.quartic.forms`): the number of operations does not grow with the
     number of walks. An edge listed for another walk adds 0 (its weight there is 0). Memory:
-    the stacked inputs plus one chunk (``query_chunk`` rows of every walk; ``None``:
-    ``CHUNK_ENTRIES`` numbers).
+    the stacked inputs plus one chunk (``query_chunk`` rows of every walk; ``None``: the
+    chunk budget, `chunks.chunk_entries`).
 
     >>> A = torch.softmax(torch.randn(3, 1, 2, 4, 4), -1)
     >>> from tl_connwalk.core._fast.grams import gram_matrices

@@ -125,7 +125,7 @@ def message_grams(
     GPT-2 small's heads and one sequence on one CPU thread 2.1x faster at 256 tokens, as fast
     at 1024 (the messages' products run at a higher rate there). Either way
     a block of keys at a time, every head in one batched product (the temporaries within
-    ``_fast.chunks.CHUNK_ENTRIES`` entries); the ``d_model x d_model`` maps ``T^h`` are never
+    the chunk budget, `chunks.chunk_entries`); the ``d_model x d_model`` maps ``T^h`` are never
     formed.
 
     >>> field, W_V, W_O = torch.randn(1, 3, 8), torch.randn(2, 8, 4), torch.randn(2, 4, 8)
@@ -277,7 +277,8 @@ def _value_grams(
         if W_O is None:
             raise ConnWalkError("message Grams need W_O or out_rows (one of them).")
         grams = None
-        # a quarter of the chunk budget: larger blocks only raise the peak (8B: 64 MiB more)
+        # a quarter of the chunk budget: larger blocks only raise the peak (on the CPU,
+        # 8B-shaped heads: 64 MiB more)
         per_row = copies * 4 * n_heads * W_O.shape[-1]
         for block in query_chunks(n_rows, per_row, device=rows_like.device):
             v = values_of(block).unflatten(-1, (n_heads, d_head))
