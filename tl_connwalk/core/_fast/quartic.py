@@ -46,11 +46,13 @@ from tl_connwalk.errors import ConnWalkError
 PRODUCT_COST = 860
 ROW_COST = 9
 
-#: The fixed cost of a product on a GPU, in the same multiply-adds per edge: a kernel launch
-#: (~10 us of host and launch latency, ~2.5e8 multiply-adds of float32 work there) over the
-#: ~10^4 edges of a block (`tl_connwalk.core._fast.chunks.edge_block`). Fewer, larger
-#: products: for ``H = 32`` and nine families 7 ranges instead of 28 (65261 multiply-adds per
-#: family and edge instead of 53350), for ``H = 12`` 2 instead of 5.
+#: The fixed cost of a product on a GPU, in the same multiply-adds per edge, an estimate: a
+#: kernel launch (~10 us of host and launch latency, ~2.5e8 multiply-adds of float32 work
+#: there) over the ~10^4 edges of a block of many stacked wide layers
+#: (`tl_connwalk.core._fast.chunks.edge_block`; fewer or narrower layers take larger blocks,
+#: where a launch costs less per edge). Fewer, larger products: for ``H = 32`` and nine
+#: families 7 ranges instead of 28 (65261 multiply-adds per family and edge instead of
+#: 53350), for ``H = 12`` 2 instead of 5.
 DEVICE_PRODUCT_COST = 20000
 
 
