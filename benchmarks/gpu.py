@@ -130,9 +130,7 @@ def budgets(n_pos: int = 1024) -> list[dict[str, object]]:
                 numbers = torch.tensor(table.select_dtypes("number").to_numpy(float))
                 reference = numbers if reference is None else reference
                 same_nans = bool((numbers.isnan() == reference.isnan()).all())
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
+                peak = bench._Peak(cuda)
                 times = [
                     bench.timed(cuda, lambda: tl_connwalk.geometry_table(cache, progress=False))
                     for _ in range(3)
@@ -140,7 +138,7 @@ def budgets(n_pos: int = 1024) -> list[dict[str, object]]:
                 results.append({"entries": entries,
                     "chunk_entries": chunks.chunk_entries(cuda),
                     "seconds": statistics.median(times),
-                    "peak_mib": (torch.cuda.max_memory_allocated() - base) / 2**20,
+                    "peak_mib": peak.bytes() / 2**20,
                     "operations": operations_of(
                         lambda: tl_connwalk.geometry_table(cache, progress=False)).total,
                     "max_abs_diff": (numbers - reference).abs().nan_to_num().max().item(),

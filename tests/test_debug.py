@@ -4,6 +4,7 @@ GPU launches without changing any result."""
 import threading
 
 import numpy as np
+import pytest
 import torch
 
 import tl_connwalk
@@ -67,3 +68,15 @@ def test_device_budgets_hold_for_the_calling_thread_only():
         other.join()
         seen.append(on_device(torch.device("cpu")))
     assert seen == [False, True]
+
+
+def test_device_budgets_apply_on_the_cpu_inside_the_block_only():
+    cpu = torch.device("cpu")
+    with pytest.raises(RuntimeError, match="inside"), device_budgets():
+        assert on_device(cpu)
+        with device_budgets():  # nested: still in force after the inner block
+            pass
+        assert chunks.chunk_entries(cpu) == chunks.DEVICE_CHUNK_ENTRIES
+        raise RuntimeError("inside")
+    assert not on_device(cpu)
+    assert chunks.chunk_entries(cpu) == chunks.CHUNK_ENTRIES

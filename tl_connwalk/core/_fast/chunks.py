@@ -94,9 +94,8 @@ def _device_budget(entries: int, device: torch.device | None) -> int:
 
 def chunk_entries(device: torch.device | None = None) -> int:
     """The chunk budget of work on ``device``: ``DEVICE_CHUNK_ENTRIES`` where it takes a GPU's
-    sizes (`tl_connwalk.debug.on_device`)
-    (capped on a CUDA device at its memory over ``DEVICE_MEMORY_SHARE``, at least
-    ``CHUNK_ENTRIES``), else ``CHUNK_ENTRIES``.
+    sizes (`tl_connwalk.debug.on_device`; capped on a CUDA device at its memory over
+    ``DEVICE_MEMORY_SHARE``, at least ``CHUNK_ENTRIES``), else ``CHUNK_ENTRIES``.
 
     >>> chunk_entries(torch.device("cpu")) == CHUNK_ENTRIES
     True
