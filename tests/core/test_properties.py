@@ -20,14 +20,16 @@ from tl_connwalk.walk import ConnectionWalk
 F64 = torch.float64
 
 
-def close(actual, expected, cancels=False):
+def close(actual, expected, cancels=False, size=None):
     """Equal to float64 rounding (the heads summed in another order): ``|actual - expected| <=
     r (max|expected| + |expected|) + floor``, ``r = rtol(float64)``. The floor is ``atol`` for
     values that are 0 up to rounding (a stochasticity: ulps of a sum of ones), and
-    ``cancelling_atol`` for square roots of cancelling differences (defects near 0)."""
+    ``cancelling_atol`` for square roots of cancelling differences (defects near 0). ``size``:
+    the scale of the summed terms where a sum cancels (its rounding follows its terms, not its
+    value), else ``max|expected|``."""
     r = rtol(F64)
     floor = cancelling_atol(F64) if cancels else atol(F64)
-    scale = max(expected.abs().max().item(), 1e-30)
+    scale = max(expected.abs().max().item() if size is None else size, 1e-30)
     torch.testing.assert_close(actual, expected, rtol=r, atol=r * scale + floor)
 
 
@@ -98,9 +100,13 @@ def test_paired_reversible_walk_gives_a_mu_self_adjoint_operator(seed, heads, po
     gen = torch.Generator().manual_seed(seed + 1)
     u = torch.randn(problem.field.shape, generator=gen, dtype=torch.float64)
     v = torch.randn(problem.field.shape, generator=gen, dtype=torch.float64)
-    lhs = mu_inner(problem.mu, u, walk.apply(v))
-    rhs = mu_inner(problem.mu, walk.apply(u), v)
-    close(lhs, rhs)
+    Pu, Pv = walk.apply(u), walk.apply(v)
+    lhs, rhs = mu_inner(problem.mu, u, Pv), mu_inner(problem.mu, Pu, v)
+    # the inner products cancel: their rounding is that of the terms' magnitudes
+    terms = torch.stack(
+        [mu_inner(problem.mu, u.abs(), Pv.abs()), mu_inner(problem.mu, Pu.abs(), v.abs())]
+    )
+    close(lhs, rhs, size=terms.max().item())
 
     # the same through the dense generator, vec(v) @ G = vec(L v): <u, P v>_mu =
     # vec(v) (I - G) D vec(u)^T with D = diag(mu (x) 1_d), so G D must be symmetric
