@@ -457,9 +457,11 @@ MEASUREMENTS: list[Row] = [
      lambda c: ref.field_defect(c.p.field, rW(c), rg(c), *VO(c)), "cancel"),
     ("residual head_field_defects", lambda c: residual(c.name).head_field_defects,
      lambda c: ref.head_field_defects(c.p.field, rW(c), rg(c), *VO(c)), "cancel"),
+    # at the residual's own mu and scale (held to theirs by the rows "residual mu" and
+    # "residual scale"): the distance amplifies mu's rounding by the walk over its gap to W*
     ("residual nearest_operator", lambda c: residual(c.name).nearest_operator.distance,
      lambda c: ref.nearest_operator_distance(
-         rW(c), rg(c), *VO(c), ref_mu(c), ref_scale(c)), "sum"),
+         rW(c), rg(c), *VO(c), residual(c.name).mu, residual(c.name).scale), "sum"),
     ("residual baseline head_defects", lambda c: residual(c.name).baseline["head_defects"],
      lambda c: ref_baselines(c)["head"], "unit"),
     ("residual baseline transport_defect",
