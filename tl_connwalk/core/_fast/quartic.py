@@ -234,11 +234,12 @@ def forms(g: Tensor, rows: QuarticRows, step: int) -> tuple[Tensor, Tensor]:
     ``[family, edge]``, from the gates ``g`` ``[head, edge]``, ``step`` edges at a time; for
     stacked `QuarticRows`, two ``[stack, family, edge]`` from ``[stack, head, edge]``.
 
-    Per block of edges: the pair products ``u`` (`head_pairs` order), one gather of the
-    products `QuarticRows.gathered` lists, one (batched) matrix product per range (times the
-    column pairs' products, or the row pairs' where transposed) into one ``[stack, outputs,
-    family, edge]`` buffer (slot 0: ``s2``), then one multiply-and-sum by the multipliers'
-    products.
+    Per block of edges: the pair products ``u`` (`head_pairs` order) and those
+    `QuarticRows.gathered` lists, in one product of two gathers of the gates; one (batched)
+    matrix product per range (times the column pairs' products, or the row pairs' where
+    transposed) into one ``[stack, outputs, family, edge]`` buffer (slot 0: ``s2``), then one
+    multiply-and-sum by the multipliers' products into ``s4``. The buffers and their views
+    are made once per block size, so a block dispatches ``9 + ranges`` operations.
     """
     if g.ndim != (3 if rows.stacked else 2) or (rows.stacked and g.shape[0] != rows.stack):
         raise ConnWalkError(
@@ -248,35 +249,68 @@ def forms(g: Tensor, rows: QuarticRows, step: int) -> tuple[Tensor, Tensor]:
     if not rows.stacked:
         g = g[None]
     stack, n_heads, n_edges = g.shape
-    families, n_gathered = rows.families, rows.gathered.numel()
-    n_pairs = n_heads * (n_heads + 1) // 2
-    first, second = head_pairs(n_heads, g.device)
-    s4, s2 = g.new_empty(stack, families, n_edges), g.new_empty(stack, families, n_edges)
+    s4, s2 = g.new_empty(stack, rows.families, n_edges), g.new_empty(stack, rows.families, n_edges)
+    first, second = _factors(n_heads, rows.gathered)
     width = min(step, n_edges)
     # flat buffers for every block, viewed contiguously at each block's size
-    columns, picked = g.new_empty(stack * n_pairs * width), g.new_empty(stack * n_gathered * width)
-    products = g.new_empty(stack * rows.outputs * families * width)
+    factors = g.new_empty(stack * first.numel() * width)
+    products = g.new_empty(stack * rows.outputs * rows.families * width)
+    views = None
     for start in range(0, n_edges, step):
         block = g[..., start : start + step]
         size = block.shape[-1]
-        u = columns[: stack * n_pairs * size].view(stack, n_pairs, size)
-        # u_{ac} = g^a g^c for c >= a, in `head_pairs` order: every pair in one product
-        torch.mul(block.index_select(1, first), block.index_select(1, second), out=u)
-        gathered = picked[: stack * n_gathered * size].view(stack, n_gathered, size)
-        torch.index_select(u, 1, rows.gathered, out=gathered)
+        if views is None or views.size != size:
+            views = _BlockViews.of(rows, n_heads, factors, products, size)
+        torch.mul(block.index_select(1, first), block.index_select(1, second), out=views.factors)
+        for coefficients, factor, out in zip(rows.blocks, views.inputs, views.outputs, strict=True):
+            torch.bmm(coefficients, factor, out=out)
+        s2[..., start : start + size] = views.s2
+        torch.sum(views.rest.mul_(views.multipliers), 1, out=s4[..., start : start + size])
+    return (s4, s2) if rows.stacked else (s4[0], s2[0])
+
+
+def _factors(n_heads: int, gathered: Tensor) -> tuple[Tensor, Tensor]:
+    """The heads ``(a, c)`` of every pair product `forms` makes per block: the pairs in
+    `head_pairs` order (``u``), then the pairs ``gathered`` lists."""
+    first, second = head_pairs(n_heads, gathered.device)
+    return torch.cat([first, first[gathered]]), torch.cat([second, second[gathered]])
+
+
+@dataclasses.dataclass(frozen=True)
+class _BlockViews:
+    """`forms`' buffers viewed at one block size: the pair products (``factors``: ``u``, then
+    the gathered pairs), each range's factor (``inputs``) and output rows (``outputs``), and
+    the output buffer's ``s2`` slot, its other rows (``rest``) and their ``multipliers``."""
+
+    size: int
+    factors: Tensor
+    inputs: tuple[Tensor, ...]
+    outputs: tuple[Tensor, ...]
+    s2: Tensor
+    rest: Tensor
+    multipliers: Tensor
+
+    @classmethod
+    def of(
+        cls, rows: QuarticRows, n_heads: int, factors: Tensor, products: Tensor, size: int
+    ) -> "_BlockViews":
+        stack, families = rows.stack, rows.families
+        n_pairs = n_heads * (n_heads + 1) // 2
+        n_factors = n_pairs + rows.gathered.numel()
+        pairs = factors[: stack * n_factors * size].view(stack, n_factors, size)
+        u, gathered = pairs[:, :n_pairs], pairs[:, n_pairs:]
         mixed = products[: stack * rows.outputs * families * size].view(
             stack, rows.outputs, families, size
         )
-        at = 0
-        for part, coefficients, inputs in zip(rows.ranges, rows.blocks, rows.inputs, strict=True):
-            factor = (
-                u[:, _suffix_start(n_heads, part.b0) :] if inputs is None else gathered[:, inputs]
+        inputs, outputs, at = [], [], 0
+        for part, coefficients, taken in zip(rows.ranges, rows.blocks, rows.inputs, strict=True):
+            inputs.append(
+                u[:, _suffix_start(n_heads, part.b0) :] if taken is None else gathered[:, taken]
             )
             height = coefficients.shape[1] // families
-            torch.bmm(coefficients, factor, out=mixed[:, at : at + height].view(stack, -1, size))
+            outputs.append(mixed[:, at : at + height].view(stack, -1, size))
             at += height
-        s2[..., start : start + size] = mixed[:, 0]
-        s4[..., start : start + size] = (
-            mixed[:, 1:].mul_(gathered[:, : rows.n_multipliers, None]).sum(1)
-        )
-    return (s4, s2) if rows.stacked else (s4[0], s2[0])
+        return cls(
+            size, pairs, tuple(inputs), tuple(outputs), mixed[:, 0], mixed[:, 1:],
+            gathered[:, : rows.n_multipliers, None],
+        )  # fmt: skip
