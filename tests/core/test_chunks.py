@@ -30,10 +30,18 @@ def test_devices_other_than_the_cpu_take_the_device_budget(monkeypatch):
     per_query = chunks.CHUNK_ENTRIES // 4  # 4 rows per chunk on the CPU
     assert len(chunks.query_chunks(64, per_query, device=cpu)) == 16
     assert len(chunks.query_chunks(64, per_query, device=cuda)) == 1
-    # edge chunks follow the walk's device unless told; a causal walk still gets 8 chunks
+    # edge chunks follow the walk's device unless told; a causal walk still gets
+    # WALK_CHUNKS chunks on the CPU, DEVICE_WALK_CHUNKS on a GPU, each skipping its future
     walk = torch.tril(torch.ones(1, 256, 256))
     assert len(chunks.edge_chunks(256, 256, per_query, None, walk)) == 64
-    assert len(chunks.edge_chunks(256, 256, per_query, None, walk, cuda)) == 8
+    assert len(chunks.edge_chunks(256, 256, per_query, None, walk, cuda)) == 4  # the budget
+    small = 1024  # rows small enough that the budget holds every row, on either device
+    assert len(chunks.edge_chunks(256, 256, small, None, walk)) == chunks.WALK_CHUNKS
+    on_cuda = chunks.edge_chunks(256, 256, small, None, walk, cuda)
+    assert len(on_cuda) == chunks.DEVICE_WALK_CHUNKS < chunks.WALK_CHUNKS
+    assert [keys for _, keys in on_cuda] == [128, 256]
+    with debug.device_budgets():
+        assert len(chunks.edge_chunks(256, 256, small, None, walk)) == chunks.DEVICE_WALK_CHUNKS
     on_gpu = chunks.DEVICE_CHUNK_ENTRIES // per_query  # rows per chunk on a GPU
     assert len(chunks.edge_chunks(256, 256, per_query, None, None, cuda)) == -(-256 // on_gpu)
 

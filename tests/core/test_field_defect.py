@@ -11,6 +11,7 @@ from tests.core.test_isometry import orthogonal, random_problem
 from tests.tolerances import assert_close, atol
 from tl_connwalk.core import field_defect as fd
 from tl_connwalk.core import reference as ref
+from tl_connwalk.core._fast import chunks
 from tl_connwalk.core._fast import messages as fast_messages
 from tl_connwalk.core.walk import gates as split_gates
 from tl_connwalk.core.walk import walk_matrix
@@ -230,6 +231,42 @@ def test_factored_message_grams_equal_the_message_grams_of_the_product(through):
         else {"W_O": W_O}
     )
     assert_close(fd.factored_message_grams(factor, values, 3, **side), expected)
+
+
+@pytest.mark.parametrize("through", ["out_rows", "W_O"])
+def test_message_grams_in_blocks_of_keys_equal_them_in_one_block(through, monkeypatch):
+    """Blocks of 2 keys (of 7: a shorter last block, whose views are made again) give the
+    Grams of one block, for one field, several stacked fields and factored values."""
+    _, field, W_V, W_O = random_problem(heads=3, d_model=12, d_head=4, pos=7, batch=2)
+    out_rows = fd.output_gram_rows(torch.einsum("apd,bqd->abpq", W_O, W_O))
+    side = {"out_rows": out_rows} if through == "out_rows" else {}
+    drawn = {"out_rows": out_rows.expand(3, -1)} if through == "out_rows" else {"W_O": W_O}
+    fields = torch.stack([field, 2 * field.flip(1)])  # two stacked problems
+    factor, values = torch.randn(2, 7, 7, dtype=F64).tril(), torch.randn(3, 7, 12, dtype=F64)
+
+    def all_grams() -> list[torch.Tensor]:
+        grams = [
+            fd.message_grams(field, W_V, W_O, **side),
+            fast_messages.stacked_factored_grams(factor, values, 3, **drawn),
+        ]
+        if through == "out_rows":  # stacked fields go through their output-Gram rows
+            W_V_cat = W_V.permute(1, 0, 2).flatten(1).expand(2, -1, -1)
+            grams.append(fd.stacked_message_grams(fields, W_V_cat, 3, out_rows.expand(2, -1)))
+        return grams
+
+    whole = all_grams()
+    monkeypatch.setattr(fast_messages, "query_chunks", _pairs_of_rows(chunks.query_chunks))
+    for got, want in zip(all_grams(), whole, strict=True):
+        assert_close(got, want)
+
+
+def _pairs_of_rows(query_chunks):
+    """`chunks.query_chunks` with 2 rows per chunk, whatever the budget."""
+
+    def two_at_a_time(n_query, per_query, query_chunk=None, device=None):
+        return query_chunks(n_query, per_query, 2 if query_chunk is None else query_chunk, device)
+
+    return two_at_a_time
 
 
 def test_factored_message_grams_check_their_inputs():

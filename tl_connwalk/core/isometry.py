@@ -32,7 +32,9 @@ from tl_connwalk.core._fast.chunks import (
     DEVICE_BLOCK_ENTRIES,
     DEVICE_CHUNK_ENTRIES,
     DEVICE_MEMORY_SHARE,
+    DEVICE_WALK_CHUNKS,
     EDGE_BLOCK,
+    WALK_CHUNKS,
     query_chunks,
 )
 from tl_connwalk.core._fast.edges import (
@@ -93,7 +95,9 @@ __all__ = [
     "DEVICE_BLOCK_ENTRIES",
     "DEVICE_CHUNK_ENTRIES",
     "DEVICE_MEMORY_SHARE",
+    "DEVICE_WALK_CHUNKS",
     "EDGE_BLOCK",
+    "WALK_CHUNKS",
     "GramMeans",
     "RandomBaseline",
     "abs_max",
@@ -313,6 +317,6 @@ def common_scale(
 
 
 # Reading or setting ``CHUNK_ENTRIES``, ``DEVICE_CHUNK_ENTRIES``, ``DEVICE_BLOCK_ENTRIES``,
-# ``DEVICE_MEMORY_SHARE`` or ``EDGE_BLOCK`` here reads or sets the budget every chunked
-# computation uses.
+# ``DEVICE_MEMORY_SHARE``, ``EDGE_BLOCK``, ``WALK_CHUNKS`` or ``DEVICE_WALK_CHUNKS`` here reads
+# or sets the budget every chunked computation uses.
 chunks.forward_budgets(__name__)

@@ -34,6 +34,16 @@ EDGE_BLOCK = 4096
 DEVICE_BLOCK_ENTRIES = 2**28
 
 
+#: With a walk, automatic chunks of rows are at most this share of them (at least 16 rows),
+#: so that a causal walk skips most of its future: 8 chunks skip 7/16 of the pairs.
+WALK_CHUNKS = 8
+
+
+#: The same on other devices, where a chunk costs launches rather than arithmetic: 2 chunks
+#: skip a quarter of the pairs.
+DEVICE_WALK_CHUNKS = 2
+
+
 #: On a CUDA device both device budgets are at most its memory (bytes) over this: the
 #: measurements hold about four budgets' numbers at once (the chunk, the quartic forms'
 #: products and a group of layers with its stacked copy), so that is ~16 bytes per entry of
@@ -45,7 +55,7 @@ DEVICE_MEMORY_SHARE = 256
 #: The budgets above; the public modules that show them forward reads and assignments here.
 BUDGETS = (
     "CHUNK_ENTRIES", "DEVICE_BLOCK_ENTRIES", "DEVICE_CHUNK_ENTRIES", "DEVICE_MEMORY_SHARE",
-    "EDGE_BLOCK",
+    "DEVICE_WALK_CHUNKS", "EDGE_BLOCK", "WALK_CHUNKS",
 )  # fmt: skip
 
 
@@ -137,15 +147,17 @@ def edge_chunks(
 
     Keys past it are no edge of the chunk (the future of a causal walk, trailing padding), so
     per-edge work stops there and the values there are left 0, as on every non-edge. With a
-    walk, automatic chunks are at most an eighth of the rows (at least 16), so that a causal
-    walk skips most of its future. Without a walk every key counts. The budget is that of
-    ``device`` (``None``: the walk's).
+    walk, automatic chunks are at most a ``WALK_CHUNKS``-th of the rows (``DEVICE_WALK_CHUNKS``
+    on a GPU; at least 16 rows), so that a causal walk skips most of its future. Without a
+    walk every key counts. The budget is that of ``device`` (``None``: the walk's).
     """
     if walk is None:
         return [(rows, n_key) for rows in query_chunks(n_query, per_query, query_chunk, device)]
     if query_chunk is None:
-        budget = chunk_entries(walk.device if device is None else device)
-        query_chunk = min(max(1, budget // max(1, per_query)), max(16, -(-n_query // 8)))
+        device = walk.device if device is None else device
+        shares = DEVICE_WALK_CHUNKS if on_device(device) else WALK_CHUNKS
+        budget = max(1, chunk_entries(device) // max(1, per_query))
+        query_chunk = min(budget, max(16, -(-n_query // shares)))
     present = reduce(walk > 0, "batch query key -> query key", "max")
     positions = torch.arange(1, n_key + 1, device=walk.device)
     last = reduce(present * positions, "query key -> query", "max").tolist()

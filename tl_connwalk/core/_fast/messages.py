@@ -2,11 +2,11 @@
 from ``d_head``-wide values and the output Gram ``W_O^cat W_O^cat^T`` (or the messages
 themselves where that Gram is too wide), in blocks of keys: no ``d_model x d_model`` map."""
 
-import math
+import dataclasses
 from collections.abc import Callable
 
 import torch
-from einops import einsum, rearrange
+from einops import rearrange
 from jaxtyping import Float
 from torch import Tensor
 
@@ -48,6 +48,7 @@ def output_gram_rows(
     small: 1.3 MiB in float32 against 2.25 MiB).
 
     >>> W_O = torch.randn(3, 2, 8)
+    >>> from einops import einsum
     >>> output_gram_rows(einsum(W_O, W_O, "a p d, b q d -> a b p q")).shape  # 4 * 3 * 2
     torch.Size([24])
     """
@@ -84,7 +85,7 @@ def row_blocks(out_rows: Tensor, n_heads: int, d_head: int) -> Tensor:
 @memoized("core.messages.pair_index", maxsize=8)
 def _pair_index(n_heads: int, device: torch.device) -> Tensor:
     """``[H H]``: where ``G[a, b]`` lies among the products ``[head a, shift k]`` of
-    `_value_grams` (flattened), ``G[a, (a + k) mod H]`` for ``k <= H // 2``.
+    `_paired_grams` (flattened), ``G[a, (a + k) mod H]`` for ``k <= H // 2``.
 
     ``(a, b)`` reads ``(a, k)`` with ``k = (b - a) mod H`` where ``2 k < H``, else ``(b, H -
     k)`` (the same pair from ``b``); for ``2 k = H`` both heads hold the pair, and both
@@ -141,11 +142,11 @@ def message_grams(
     batch = field.shape[0]
     keys = rearrange(field, "batch key d_model -> (batch key) d_model")
     heads = (W_V.shape[0], W_V.shape[2])
-    values = rearrange(W_V, "head d_model d_head -> d_model (head d_head)")  # a view for draws
-    grams = _value_grams(
-        lambda block: keys[block] @ values, keys, heads, None if out_rows is not None else W_O,
-        out_rows,
-    )  # fmt: skip
+    head_values = _shared_keys(keys[None], W_V)
+    if out_rows is None:
+        grams = _message_route(head_values, keys, (1, 1), W_O)[0, 0]
+    else:
+        grams = _paired_grams(head_values, keys, (1, 1), heads, out_rows)[0, 0]
     return rearrange(grams, "(batch key) a b -> batch key a b", batch=batch)
 
 
@@ -186,13 +187,10 @@ def factored_message_grams(
             + ("" if W_O is None else f" of W_O {tuple(W_O.shape)} [head, d_head, d_model]")
             + "."
         )
-    return _value_grams(
-        lambda block: factor[block] @ values,
-        factor,
-        (n_heads, d_head),
-        None if W_O is None else W_O.to(factor),
-        out_rows,
-    )
+    head_values = _factored_values(factor[None], values[None], n_heads)
+    if W_O is not None:
+        return _message_route(head_values, factor, (1, 1), W_O.to(factor))[0, 0]
+    return _paired_grams(head_values, factor, (1, 1), (n_heads, d_head), side)[0, 0]
 
 
 def stacked_factored_grams(
@@ -218,14 +216,11 @@ def stacked_factored_grams(
     dtype = working_dtype(factor, values, side)
     factor, values, side = (t.to(device=factor.device, dtype=dtype) for t in (factor, values, side))
     d_head = values.shape[-1] // max(1, n_heads)
-    return _value_grams(
-        lambda block: einsum(factor[:, block], values, "seq row k, draw k e -> draw seq row e"),
-        factor[0],
-        (n_heads, d_head),
-        None if W_O is None else side,
-        None if W_O is not None else side[:, None],
-        copies=values.shape[0] * factor.shape[0],
-    )
+    head_values = _factored_values(factor, values, n_heads)
+    lead = (values.shape[0], factor.shape[0])
+    if W_O is not None:
+        return _message_route(head_values, factor[0], lead, side)
+    return _paired_grams(head_values, factor[0], lead, (n_heads, d_head), side)
 
 
 def stacked_message_grams(
@@ -239,6 +234,7 @@ def stacked_message_grams(
     Gram rows (`output_gram_rows`) of its own: one batched product per block of keys for
     every head, whatever the number of problems.
 
+    >>> from einops import einsum
     >>> field, W_V, W_O = torch.randn(3, 1, 4, 8), torch.randn(3, 2, 8, 4), torch.randn(3, 2, 4, 8)
     >>> out_rows = torch.stack([output_gram_rows(einsum(o, o, "a p d, b q d -> a b p q"))
     ...                         for o in W_O])
@@ -251,99 +247,174 @@ def stacked_message_grams(
         t.to(device=field.device, dtype=dtype) for t in (field, values, out_rows)
     )
     keys = field.flatten(1, 2)  # every problem's sequences' keys, one after another
+    stack = keys.shape[0]
     heads = (n_heads, values.shape[-1] // max(1, n_heads))
-    grams = _value_grams(
-        lambda block: keys[:, block] @ values, keys[0], heads, None, out_rows,
-        copies=field.shape[0],
-    )  # fmt: skip
+    buffer = keys.new_empty(0)
+
+    def head_values(block: slice) -> Tensor:
+        """``[stack, head, rows, d_head]``: each problem's values, copied head-major."""
+        nonlocal buffer
+        v = torch.bmm(keys[:, block], values)
+        rows = v.shape[1]
+        by_head = v.view(stack, rows, n_heads, heads[1]).transpose(1, 2)
+        if torch.is_grad_enabled() and v.requires_grad:
+            return by_head.contiguous()  # no kept buffer, which autograd cannot follow
+        if buffer.numel() < v.numel():  # the first block is the largest
+            buffer = v.new_empty(v.numel())
+        return buffer[: v.numel()].view(by_head.shape).copy_(by_head)
+
+    grams = _paired_grams(head_values, keys[0], (stack, 1), heads, out_rows)[:, 0]
     return grams.unflatten(1, field.shape[1:3])
 
 
-def _value_grams(
-    values_of: Callable[[slice], Tensor],
+def _message_route(
+    head_values: Callable[[slice], Tensor],
     rows_like: Tensor,
-    heads: tuple[int, int],
-    W_O: Tensor | None,
-    out_rows: Tensor | None,
-    copies: int = 1,
+    lead: tuple[int, int],
+    W_O: Float[Tensor, "head d_head d_model"],
 ) -> Tensor:
-    """``G_j[a,b]`` ``[..., row, head, head]`` (``rows_like``'s rows: their number, dtype and
-    device) from each block's values ``values_of(rows)`` (``[..., rows, head d_head]``, with
-    ``copies`` the product of the leading axes: draws, sequences), block by block of rows:
-    through ``out_rows`` (``[..., packed]``, leading axes that broadcast against the values')
-    where given, else through ``W_O``."""
-    (n_heads, d_head), n_rows = heads, rows_like.shape[0]
-    if out_rows is None:
-        if W_O is None:
-            raise ConnWalkError("message Grams need W_O or out_rows (one of them).")
-        grams = None
-        # a quarter of the chunk budget: larger blocks only raise the peak (on the CPU,
-        # 8B-shaped heads: 64 MiB more)
-        per_row = copies * 4 * n_heads * W_O.shape[-1]
-        for block in query_chunks(n_rows, per_row, device=rows_like.device):
-            v = values_of(block).unflatten(-1, (n_heads, d_head))
-            messages = einsum(v, W_O, "... row head p, head p d -> ... row head d")
-            part = messages @ messages.mT
-            if grams is None:
-                grams = part.new_empty(*part.shape[:-3], n_rows, n_heads, n_heads)
-            grams[..., block, :, :] = part
-        assert grams is not None
-        return grams
-    blocks = row_blocks(out_rows.to(rows_like), n_heads, d_head)
-    n_shift = n_heads // 2 + 1
-    index = _pair_index(n_heads, rows_like.device)
-    grams = None
-    # the forms (the products of every head with its H // 2 + 1 partners) of every block in
-    # one buffer: a fresh tensor of this size would come from fresh pages on every block (a
-    # page fault per 4 KiB, on a CPU about as slow as the product itself)
-    buffer = None
-    # per row and copy: the forms, beside the values, their copy with the partners' heads
-    # wrapped around and the product's operands (each at most H d_head): one batched product
-    # per block of rows for every head, draw, sequence and stacked layer
-    per_row = copies * (n_shift + 4) * n_heads * d_head
+    """``G_j[a,b] = m^a_j . m^b_j`` ``[problem, seq, row, head, head]`` through the messages
+    ``m^h_j = v^h_j W_O^h`` (one ``W_O`` for every problem), block by block of
+    ``rows_like``'s rows, from each block's head-major values ``head_values(rows)``
+    ``[problem, head, (seq rows), d_head]`` (as `_paired_grams`'). Per block every head's
+    messages in one batched product, then every row's Gram in another."""
+    n_problems, n_seq = lead
+    n_heads, n_rows = W_O.shape[0], rows_like.shape[0]
+    grams = rows_like.new_empty(n_problems, n_seq, n_rows, n_heads, n_heads)
+    # a quarter of the chunk budget: larger blocks only raise the peak (on the CPU,
+    # 8B-shaped heads: 64 MiB more)
+    per_row = n_problems * n_seq * 4 * n_heads * W_O.shape[-1]
     for block in query_chunks(n_rows, per_row, device=rows_like.device):
-        v = values_of(block).unflatten(-1, (n_heads, d_head))
-        if grams is None:
-            grams = v.new_empty(*v.shape[:-3], n_rows, n_heads, n_heads)
-        if buffer is None:  # the first block is the largest
-            buffer = v.new_empty(v.numel() * n_shift)
-        # forms[..., j, a, k, :] = v^a_j W_O^a W_O^b^T, b = (a + k) mod H
-        forms = _forms(v, blocks, buffer)
-        wrapped = torch.cat([v, v[..., : n_shift - 1, :]], dim=-2)
-        partners = wrapped.unfold(-2, n_shift, 1)  # [..., row, a, d_head, k]: v^b_j
-        pairs = forms.unflatten(-1, (n_shift, d_head)).mul_(partners.mT).sum(-1)
-        grams[..., block, :, :] = pairs.flatten(-2)[..., index].unflatten(-1, (n_heads, n_heads))
-    assert grams is not None
+        v = head_values(block)
+        if n_problems > 1:  # the problems' rows after one another, for one product per head
+            v = rearrange(v, "problem head row p -> 1 head (problem row) p")
+        messages = torch.bmm(v[0], W_O)  # [head, rows, d_model]
+        by_row = messages.transpose(0, 1)
+        part = torch.bmm(by_row, by_row.mT)
+        grams[:, :, block] = part.view(n_problems, n_seq, -1, n_heads, n_heads)
     return grams
 
 
-def _forms(
-    v: Float[Tensor, "*lead row head d_head"],
-    blocks: Float[Tensor, "*side head d_head e"],
-    buffer: Tensor | None = None,
-) -> Float[Tensor, "*lead row head e"]:
-    """``v^a_j B^a`` for every head ``a`` (``blocks`` with leading axes that broadcast against
-    ``v``'s), as one product per head with every row of the axes along which the blocks do not
-    vary (their size-1 trailing axes: sequences, say) taken together: one batched product for
-    every head and leading index, not one small one per sequence. Written into ``buffer`` (a
-    flat tensor of at least as many numbers) where given and no gradient is asked for.
+def _shared_keys(keys: Tensor, W_V: Tensor) -> Callable[[slice], Tensor]:
+    """Head-major values of keys ``[1, row, d_model]`` with ``W_V`` ``[head, d_model,
+    d_head]``, block by block: ``[1, head, rows, d_head]``, the keys read by every head's
+    product at once (a broadcast, not a copy)."""
+    n_heads, d_model, d_head = W_V.shape
 
-    >>> v, B = torch.randn(2, 3, 5, 4, 6), torch.randn(2, 1, 4, 6, 7)
-    >>> torch.allclose(_forms(v, B), einsum(v, B, "... row a p, ... a p e -> ... row a e"))
-    True
+    def head_values(block: slice) -> Tensor:
+        rows = keys[:, block]
+        v = torch.bmm(rows.expand(n_heads, -1, d_model), W_V)
+        return v.view(1, n_heads, rows.shape[1], d_head)
+
+    return head_values
+
+
+def _factored_values(
+    factor: Float[Tensor, "seq row rank"],
+    values: Float[Tensor, "draw rank head_d_head"],
+    n_heads: int,
+) -> Callable[[slice], Tensor]:
+    """Head-major values ``factor[s, j] @ values[d]`` block by block of rows:
+    ``[draw, head, (seq rows), d_head]``, every sequence's rows one after another (each
+    draw's values made head-major once)."""
+    n_draws, rank, width = values.shape
+    d_head = width // max(1, n_heads)
+    by_head = rearrange(values, "draw k (head p) -> (draw head) k p", head=n_heads).contiguous()
+
+    def head_values(block: slice) -> Tensor:
+        rows = factor[:, block].reshape(1, -1, rank)  # a view for one sequence
+        v = torch.bmm(rows.expand(n_draws * n_heads, -1, rank), by_head)
+        return v.view(n_draws, n_heads, rows.shape[1], d_head)
+
+    return head_values
+
+
+def _paired_grams(
+    head_values: Callable[[slice], Tensor],
+    rows_like: Tensor,
+    lead: tuple[int, int],
+    heads: tuple[int, int],
+    out_rows: Tensor,
+) -> Tensor:
+    """``G_j[a,b] = v^a_j (W_O^a W_O^b^T) v^b_j^T`` ``[problem, seq, row, head, head]`` for
+    ``lead = (problem, seq)``, block by block of ``rows_like``'s rows.
+
+    ``head_values(rows)`` gives each block's values head-major, ``[problem, head, (seq rows),
+    d_head]`` with ``(problem, head)`` one batch axis of a view; ``out_rows``
+    ``[problem or 1, packed]`` holds each problem's output-Gram rows (`output_gram_rows`).
+    Per block: the forms ``v^a_j W_O^a W_O^b^T`` of every head with its ``H // 2 + 1``
+    partners ``b = (a + k) mod H`` in one batched product, the partners' values beside them
+    (the heads wrapped around, one copy, then a strided view), their products summed over
+    ``d_head``, and the pairs gathered into the Grams: nine operations besides the values',
+    with the buffers and their views made once per block size.
     """
-    n_lead = v.ndim - 3
-    side = (1,) * (n_lead - (blocks.ndim - 3)) + tuple(blocks.shape[:-3])
-    keep = n_lead
-    while keep and side[keep - 1] == 1:
-        keep -= 1
-    # the rows of every axis the blocks broadcast along, head-major: [..., head, rows, d_head]
-    merged = v.flatten(keep, n_lead).movedim(-2, -3)
-    side_blocks = blocks.reshape(*side[:keep], *blocks.shape[-3:])
-    shape = (*merged.shape[:-1], blocks.shape[-1])
-    out = None
-    grad = torch.is_grad_enabled() and (merged.requires_grad or side_blocks.requires_grad)
-    if buffer is not None and not grad and side_blocks.shape[:-2] == merged.shape[:-2]:
-        out = buffer[: math.prod(shape)].view(shape)
-    forms = torch.matmul(merged, side_blocks, out=out)  # [..., head, rows, e]
-    return forms.movedim(-3, -2).unflatten(keep, v.shape[keep : n_lead + 1])
+    (n_heads, d_head), n_rows = heads, rows_like.shape[0]
+    n_problems, n_seq = lead
+    n_shift = n_heads // 2 + 1
+    blocks = row_blocks(out_rows.to(rows_like), n_heads, d_head)
+    blocks = blocks.expand(n_problems, *blocks.shape[-3:]).reshape(-1, *blocks.shape[-2:])
+    index = _pair_index(n_heads, rows_like.device)
+    grams = rows_like.new_empty(n_problems, n_seq, n_rows, n_heads, n_heads)
+    # per row, problem and sequence: the forms, the wrapped values and the values themselves
+    # (each at most H d_head), the pairs
+    per_row = n_problems * n_seq * (n_shift + 3) * n_heads * d_head
+    views: _PairViews | None = None
+    for block in query_chunks(n_rows, per_row, device=rows_like.device):
+        v = head_values(block)
+        rows = v.shape[2]
+        if torch.is_grad_enabled() and (v.requires_grad or blocks.requires_grad):
+            # the same steps without kept buffers, which autograd cannot follow
+            forms = torch.bmm(v.view(-1, rows, d_head), blocks)
+            wrapped = torch.cat([v, v[:, : n_shift - 1]], dim=1)
+            partners = wrapped.unfold(1, n_shift, 1).transpose(-1, -2)
+            pairs = (forms.view(*partners.shape) * partners).sum(-1).transpose(1, 2)
+            flat = pairs.reshape(n_problems, n_seq, -1, n_heads * n_shift)
+            grams[:, :, block] = flat[..., index].unflatten(-1, (n_heads, n_heads))
+            continue
+        if views is None or views.rows != rows:  # the first block is the largest
+            views = _PairViews.of(views, v, n_shift, n_seq)
+        torch.bmm(v.view(-1, rows, d_head), blocks, out=views.forms)
+        torch.cat([v, v[:, : n_shift - 1]], dim=1, out=views.wrapped)
+        torch.sum(views.products.mul_(views.partners), -1, out=views.pairs)
+        out = grams[:, :, block].view(n_problems, n_seq, -1, n_heads * n_heads)
+        torch.index_select(views.flat_pairs, -1, index, out=out)
+    return grams
+
+
+@dataclasses.dataclass(frozen=True)
+class _PairViews:
+    """`_paired_grams`' buffers viewed at one block size of ``rows`` (every sequence's):
+    the forms (``forms`` for the product, ``products`` by partner), the wrapped values and
+    their ``partners`` view ``[problem, head, rows, shift, d_head]``, and the pairs summed
+    over ``d_head`` (``pairs`` by head, ``flat_pairs`` ``[problem, seq, rows, head shift]``)."""
+
+    rows: int
+    forms: Tensor
+    products: Tensor
+    wrapped: Tensor
+    partners: Tensor
+    pairs: Tensor
+    flat_pairs: Tensor
+    storage: tuple[Tensor, Tensor, Tensor]
+
+    @classmethod
+    def of(cls, old: "_PairViews | None", v: Tensor, n_shift: int, n_seq: int) -> "_PairViews":
+        """Views at ``v``'s block size, in ``old``'s buffers (made here if there are none)."""
+        n_problems, n_heads, rows, d_head = v.shape
+        sizes = (
+            n_problems * n_heads * rows * n_shift * d_head,
+            n_problems * (n_heads + n_shift - 1) * rows * d_head,
+            n_problems * rows * n_heads * n_shift,
+        )
+        storage = old.storage if old is not None else tuple(v.new_empty(n) for n in sizes)
+        forms_buffer, wrapped_buffer, pairs_buffer = (
+            buffer[:n] for buffer, n in zip(storage, sizes, strict=True)
+        )
+        forms = forms_buffer.view(n_problems * n_heads, rows, n_shift * d_head)
+        wrapped = wrapped_buffer.view(n_problems, n_heads + n_shift - 1, rows, d_head)
+        flat = pairs_buffer.view(n_problems, rows, n_heads, n_shift)
+        return cls(
+            rows, forms, forms.view(n_problems, n_heads, rows, n_shift, d_head), wrapped,
+            wrapped.unfold(1, n_shift, 1).transpose(-1, -2), flat.transpose(1, 2),
+            flat.view(n_problems, n_seq, rows // n_seq, n_heads * n_shift), storage,  # type: ignore[arg-type]
+        )  # fmt: skip

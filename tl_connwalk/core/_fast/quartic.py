@@ -165,7 +165,9 @@ class QuarticRows:
     ``n_multipliers`` pairs whose products multiply the output rows after ``s2`` (a normal
     range's row pairs, a transposed range's column pairs), then each transposed range's row
     pairs, the factor of its product (at ``inputs[k]``; ``None`` for a normal range, whose
-    factor is the column suffix of ``u`` itself).
+    factor is the column suffix of ``u`` itself). ``factors`` holds the heads ``(a, c)`` of
+    every pair product `forms` makes per block: the pairs in `head_pairs` order (``u``), then
+    those ``gathered`` lists.
     """
 
     blocks: tuple[Tensor, ...]
@@ -175,8 +177,9 @@ class QuarticRows:
     n_multipliers: int
     families: int
     n_heads: int
-    stack: int = 1
-    stacked: bool = False
+    stack: int
+    stacked: bool
+    factors: tuple[Tensor, Tensor]
 
     @property
     def outputs(self) -> int:
@@ -223,9 +226,10 @@ def quartic_rows(K2: Tensor, pair_gram: Tensor) -> QuarticRows:
         inputs.append(None if factor is None else slice(at, at + factor.numel()))
         at += 0 if factor is None else factor.numel()
     gathered = torch.cat(multipliers + [f for f in factors if f is not None])
+    pair_factors = (torch.cat([first, first[gathered]]), torch.cat([second, second[gathered]]))
     return QuarticRows(
         tuple(blocks), ranges, gathered, tuple(inputs), n_multipliers, families, n_heads, stack,
-        stacked,
+        stacked, pair_factors,
     )  # fmt: skip
 
 
@@ -250,7 +254,7 @@ def forms(g: Tensor, rows: QuarticRows, step: int) -> tuple[Tensor, Tensor]:
         g = g[None]
     stack, n_heads, n_edges = g.shape
     s4, s2 = g.new_empty(stack, rows.families, n_edges), g.new_empty(stack, rows.families, n_edges)
-    first, second = _factors(n_heads, rows.gathered)
+    first, second = rows.factors
     width = min(step, n_edges)
     # flat buffers for every block, viewed contiguously at each block's size
     factors = g.new_empty(stack * first.numel() * width)
@@ -267,13 +271,6 @@ def forms(g: Tensor, rows: QuarticRows, step: int) -> tuple[Tensor, Tensor]:
         s2[..., start : start + size] = views.s2
         torch.sum(views.rest.mul_(views.multipliers), 1, out=s4[..., start : start + size])
     return (s4, s2) if rows.stacked else (s4[0], s2[0])
-
-
-def _factors(n_heads: int, gathered: Tensor) -> tuple[Tensor, Tensor]:
-    """The heads ``(a, c)`` of every pair product `forms` makes per block: the pairs in
-    `head_pairs` order (``u``), then the pairs ``gathered`` lists."""
-    first, second = head_pairs(n_heads, gathered.device)
-    return torch.cat([first, first[gathered]]), torch.cat([second, second[gathered]])
 
 
 @dataclasses.dataclass(frozen=True)
