@@ -165,9 +165,8 @@ class QuarticRows:
     ``n_multipliers`` pairs whose products multiply the output rows after ``s2`` (a normal
     range's row pairs, a transposed range's column pairs), then each transposed range's row
     pairs, the factor of its product (at ``inputs[k]``; ``None`` for a normal range, whose
-    factor is the column suffix of ``u`` itself). ``factors`` holds the heads ``(a, c)`` of
-    every pair product `forms` makes per block: the pairs in `head_pairs` order (``u``), then
-    those ``gathered`` lists.
+    factor is the column suffix of ``u`` itself). ``pairs`` holds the heads ``(a, c)`` of the
+    pair products ``u``, in `head_pairs` order.
     """
 
     blocks: tuple[Tensor, ...]
@@ -179,7 +178,7 @@ class QuarticRows:
     n_heads: int
     stack: int
     stacked: bool
-    factors: tuple[Tensor, Tensor]
+    pairs: tuple[Tensor, Tensor]
 
     @property
     def outputs(self) -> int:
@@ -226,10 +225,9 @@ def quartic_rows(K2: Tensor, pair_gram: Tensor) -> QuarticRows:
         inputs.append(None if factor is None else slice(at, at + factor.numel()))
         at += 0 if factor is None else factor.numel()
     gathered = torch.cat(multipliers + [f for f in factors if f is not None])
-    pair_factors = (torch.cat([first, first[gathered]]), torch.cat([second, second[gathered]]))
     return QuarticRows(
         tuple(blocks), ranges, gathered, tuple(inputs), n_multipliers, families, n_heads, stack,
-        stacked, pair_factors,
+        stacked, (first, second),
     )  # fmt: skip
 
 
@@ -238,12 +236,12 @@ def forms(g: Tensor, rows: QuarticRows, step: int) -> tuple[Tensor, Tensor]:
     ``[family, edge]``, from the gates ``g`` ``[head, edge]``, ``step`` edges at a time; for
     stacked `QuarticRows`, two ``[stack, family, edge]`` from ``[stack, head, edge]``.
 
-    Per block of edges: the pair products ``u`` (`head_pairs` order) and those
-    `QuarticRows.gathered` lists, in one product of two gathers of the gates; one (batched)
-    matrix product per range (times the column pairs' products, or the row pairs' where
-    transposed) into one ``[stack, outputs, family, edge]`` buffer (slot 0: ``s2``), then one
-    multiply-and-sum by the multipliers' products into ``s4``. The buffers and their views
-    are made once per block size, so a block dispatches ``9 + ranges`` operations.
+    Per block of edges: the pair products ``u`` (`head_pairs` order), one gather of the
+    products `QuarticRows.gathered` lists, one (batched) matrix product per range (times the
+    column pairs' products, or the row pairs' where transposed) into one ``[stack, outputs,
+    family, edge]`` buffer (slot 0: ``s2``), then one multiply-and-sum by the multipliers'
+    products into ``s4``. The buffers and their views are made once per block size, so a
+    block dispatches ``10 + ranges`` operations.
     """
     if g.ndim != (3 if rows.stacked else 2) or (rows.stacked and g.shape[0] != rows.stack):
         raise ConnWalkError(
@@ -254,18 +252,20 @@ def forms(g: Tensor, rows: QuarticRows, step: int) -> tuple[Tensor, Tensor]:
         g = g[None]
     stack, n_heads, n_edges = g.shape
     s4, s2 = g.new_empty(stack, rows.families, n_edges), g.new_empty(stack, rows.families, n_edges)
-    first, second = rows.factors
+    first, second = rows.pairs
     width = min(step, n_edges)
     # flat buffers for every block, viewed contiguously at each block's size
-    factors = g.new_empty(stack * first.numel() * width)
+    pairs = g.new_empty(stack * (first.numel() + rows.gathered.numel()) * width)
     products = g.new_empty(stack * rows.outputs * rows.families * width)
     views = None
     for start in range(0, n_edges, step):
         block = g[..., start : start + step]
         size = block.shape[-1]
         if views is None or views.size != size:
-            views = _BlockViews.of(rows, n_heads, factors, products, size)
-        torch.mul(block.index_select(1, first), block.index_select(1, second), out=views.factors)
+            views = _BlockViews.of(rows, n_heads, pairs, products, size)
+        # u_{ac} = g^a g^c for c >= a, in `head_pairs` order: every pair in one product
+        torch.mul(block.index_select(1, first), block.index_select(1, second), out=views.u)
+        torch.index_select(views.u, 1, rows.gathered, out=views.gathered)
         for coefficients, factor, out in zip(rows.blocks, views.inputs, views.outputs, strict=True):
             torch.bmm(coefficients, factor, out=out)
         s2[..., start : start + size] = views.s2
@@ -275,12 +275,13 @@ def forms(g: Tensor, rows: QuarticRows, step: int) -> tuple[Tensor, Tensor]:
 
 @dataclasses.dataclass(frozen=True)
 class _BlockViews:
-    """`forms`' buffers viewed at one block size: the pair products (``factors``: ``u``, then
-    the gathered pairs), each range's factor (``inputs``) and output rows (``outputs``), and
-    the output buffer's ``s2`` slot, its other rows (``rest``) and their ``multipliers``."""
+    """`forms`' buffers viewed at one block size: the pair products ``u`` and the gathered
+    ones, each range's factor (``inputs``) and output rows (``outputs``), and the output
+    buffer's ``s2`` slot, its other rows (``rest``) and their ``multipliers``."""
 
     size: int
-    factors: Tensor
+    u: Tensor
+    gathered: Tensor
     inputs: tuple[Tensor, ...]
     outputs: tuple[Tensor, ...]
     s2: Tensor
@@ -289,13 +290,13 @@ class _BlockViews:
 
     @classmethod
     def of(
-        cls, rows: QuarticRows, n_heads: int, factors: Tensor, products: Tensor, size: int
+        cls, rows: QuarticRows, n_heads: int, pairs: Tensor, products: Tensor, size: int
     ) -> "_BlockViews":
         stack, families = rows.stack, rows.families
-        n_pairs = n_heads * (n_heads + 1) // 2
-        n_factors = n_pairs + rows.gathered.numel()
-        pairs = factors[: stack * n_factors * size].view(stack, n_factors, size)
-        u, gathered = pairs[:, :n_pairs], pairs[:, n_pairs:]
+        n_pairs, n_gathered = n_heads * (n_heads + 1) // 2, rows.gathered.numel()
+        u = pairs[: stack * n_pairs * size].view(stack, n_pairs, size)
+        gathered = pairs[stack * n_pairs * size : stack * (n_pairs + n_gathered) * size]
+        gathered = gathered.view(stack, n_gathered, size)
         mixed = products[: stack * rows.outputs * families * size].view(
             stack, rows.outputs, families, size
         )
@@ -308,6 +309,6 @@ class _BlockViews:
             outputs.append(mixed[:, at : at + height].view(stack, -1, size))
             at += height
         return cls(
-            size, pairs, tuple(inputs), tuple(outputs), mixed[:, 0], mixed[:, 1:],
+            size, u, gathered, tuple(inputs), tuple(outputs), mixed[:, 0], mixed[:, 1:],
             gathered[:, : rows.n_multipliers, None],
         )  # fmt: skip
