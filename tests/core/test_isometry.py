@@ -232,6 +232,37 @@ def test_edge_gram_defects_match_per_edge_svd(heads, causal, monkeypatch):
     )
 
 
+def test_gates_too_small_for_normal_products_leave_the_float32_defects_as_they_are():
+    """Heads that leave one another gates of 1e-20 to 1e-40 (a head per edge takes nearly all
+    the mass): their products in the quartic forms would be subnormal; the forms drop them,
+    and the float32 defects stay within float32's tolerance of the float64 reference."""
+    pattern, _, W_V, W_O = random_problem(heads=4, causal=True, seed=11)
+    # each edge's mass mostly on one head: the others get 10^-20 to 10^-40 of it, or 0.3
+    gen = torch.Generator().manual_seed(11)
+    leader = torch.randint(0, 4, pattern.shape[:1] + pattern.shape[2:], generator=gen)
+    tiny = 10.0 ** -torch.randint(20, 41, pattern.shape, generator=gen).to(pattern)
+    tiny = torch.where(
+        torch.rand(pattern.shape, generator=gen, dtype=pattern.dtype) < 0.5, tiny, 0.3
+    )
+    share = torch.where(torch.arange(4)[:, None, None] == leader[:, None], 1.0, tiny)
+    peaked = pattern * share  # rows no longer sum to 1 per head: renormalise them
+    peaked = peaked / peaked.sum(-1, keepdim=True)
+    walk, g = walk_matrix(peaked), split_gates(peaked)
+    assert ((g > 0) & (g < torch.finfo(torch.float32).tiny ** 0.25)).any()
+    r = iso.effective_rank(W_V, W_O)
+    expected = torch.where(walk > 0, ref.edge_defects(g, W_V, W_O, r), 0.0)
+    K2, K4 = (t.float() for t in iso.gram_matrices(W_V, W_O))
+    got = iso.edge_gram_defects(g.float(), K2, K4, r, walk.float())
+    gap = (got.double() - expected).abs().max().item()
+    assert gap <= cancelling_atol(torch.float32), gap
+    # the forms themselves: as the gates' own, to float32's rounding of their sums
+    rows = quartic.quartic_rows(K2[None], iso.fold_pairs(K4)[None])
+    listed = g.float()[0].flatten(1)  # [head, edge]
+    kept = quartic.forms(listed, rows, listed.shape[1])
+    _, s2 = fast_edges._family_gram_defects(listed, rows, r)
+    assert_close(s2 / 4**2, kept[1], torch.float32)
+
+
 def test_edge_blocks_split_the_edges_without_changing_them(monkeypatch):
     pattern, _, W_V, W_O = random_problem(heads=4, causal=True, seed=7)
     K2, K4 = iso.gram_matrices(W_V, W_O)
