@@ -80,7 +80,7 @@ def _without_subnormal_products(g: Tensor) -> Tensor:
     leave one another gates of 1e-20 on most edges made the forms 4x slower on one CPU
     core. The gates of an edge sum to 1, so dropping them moves ``g^T K2 g`` by at most
     ``2 H t max|K2|`` (for 128 heads ``8.4e-8 max|K2|``, below a float32 rounding) and
-    the quartic form likewise; in float64 no gate is that small.
+    the quartic form likewise.
 
     >>> _without_subnormal_products(torch.tensor([0.5, 1e-12, 0.5]))
     tensor([0.5000, 0.0000, 0.5000])
