@@ -406,7 +406,10 @@ class _PairViews:
             n_problems * (n_heads + n_shift - 1) * rows * d_head,
             n_problems * rows * n_heads * n_shift,
         )
-        storage = old.storage if old is not None else tuple(v.new_empty(n) for n in sizes)
+        if old is None:
+            storage = (v.new_empty(sizes[0]), v.new_empty(sizes[1]), v.new_empty(sizes[2]))
+        else:
+            storage = old.storage
         forms_buffer, wrapped_buffer, pairs_buffer = (
             buffer[:n] for buffer, n in zip(storage, sizes, strict=True)
         )
@@ -416,5 +419,5 @@ class _PairViews:
         return cls(
             rows, forms, forms.view(n_problems, n_heads, rows, n_shift, d_head), wrapped,
             wrapped.unfold(1, n_shift, 1).transpose(-1, -2), flat.transpose(1, 2),
-            flat.view(n_problems, n_seq, rows // n_seq, n_heads * n_shift), storage,  # type: ignore[arg-type]
+            flat.view(n_problems, n_seq, rows // n_seq, n_heads * n_shift), storage,
         )  # fmt: skip
