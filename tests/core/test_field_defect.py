@@ -260,6 +260,26 @@ def test_message_grams_in_blocks_of_keys_equal_them_in_one_block(through, monkey
         assert_close(got, want)
 
 
+def test_stacked_message_grams_in_blocks_follow_output_rows_that_ask_for_gradients(monkeypatch):
+    """Output-Gram rows that ask for gradients (the fields and values do not): blocks of 2 keys
+    give the gradient of one block (no kept buffer in autograd's graph)."""
+    _, field, W_V, W_O = random_problem(heads=3, d_model=12, d_head=4, pos=7, batch=1)
+    fields = torch.stack([field, 2 * field.flip(1)])
+    W_V_cat = W_V.permute(1, 0, 2).flatten(1).expand(2, -1, -1)
+    out_rows = fd.output_gram_rows(torch.einsum("apd,bqd->abpq", W_O, W_O)).expand(2, -1)
+
+    def gradient() -> torch.Tensor:
+        rows = out_rows.clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(
+            fd.stacked_message_grams(fields, W_V_cat, 3, rows).square().sum(), rows
+        )
+        return grad
+
+    whole = gradient()
+    monkeypatch.setattr(fast_messages, "query_chunks", _pairs_of_rows(chunks.query_chunks))
+    assert_close(gradient(), whole)
+
+
 def _pairs_of_rows(query_chunks):
     """`chunks.query_chunks` with 2 rows per chunk, whatever the budget."""
 

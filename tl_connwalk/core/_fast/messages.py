@@ -257,7 +257,7 @@ def stacked_message_grams(
         v = torch.bmm(keys[:, block], values)
         rows = v.shape[1]
         by_head = v.view(stack, rows, n_heads, heads[1]).transpose(1, 2)
-        if torch.is_grad_enabled() and v.requires_grad:
+        if torch.is_grad_enabled() and (v.requires_grad or out_rows.requires_grad):
             return by_head.contiguous()  # no kept buffer, which autograd cannot follow
         if buffer.numel() < v.numel():  # the first block is the largest
             buffer = v.new_empty(v.numel())

@@ -243,14 +243,19 @@ def forms(g: Tensor, rows: QuarticRows, step: int) -> tuple[Tensor, Tensor]:
     products into ``s4``. The buffers and their views are made once per block size, so a
     block dispatches ``10 + ranges`` operations.
     """
-    if g.ndim != (3 if rows.stacked else 2) or (rows.stacked and g.shape[0] != rows.stack):
+    if (
+        g.ndim != (3 if rows.stacked else 2)
+        or (rows.stacked and g.shape[0] != rows.stack)
+        or g.shape[-2] != rows.n_heads
+    ):
         raise ConnWalkError(
             f"gates {tuple(g.shape)} must be [head, edge], or [stack, head, edge] with "
-            f"{rows.stack} stacked problems for stacked Grams."
+            f"{rows.stack} stacked problems for stacked Grams, with the Grams' {rows.n_heads} "
+            "heads."
         )
     if not rows.stacked:
         g = g[None]
-    stack, n_heads, n_edges = g.shape
+    stack, _, n_edges = g.shape
     s4, s2 = g.new_empty(stack, rows.families, n_edges), g.new_empty(stack, rows.families, n_edges)
     first, second = rows.pairs
     width = min(step, n_edges)
@@ -262,7 +267,7 @@ def forms(g: Tensor, rows: QuarticRows, step: int) -> tuple[Tensor, Tensor]:
         block = g[..., start : start + step]
         size = block.shape[-1]
         if views is None or views.size != size:
-            views = _BlockViews.of(rows, n_heads, pairs, products, size)
+            views = _BlockViews.of(rows, pairs, products, size)
         # u_{ac} = g^a g^c for c >= a, in `head_pairs` order: every pair in one product
         torch.mul(block.index_select(1, first), block.index_select(1, second), out=views.u)
         torch.index_select(views.u, 1, rows.gathered, out=views.gathered)
@@ -289,10 +294,8 @@ class _BlockViews:
     multipliers: Tensor
 
     @classmethod
-    def of(
-        cls, rows: QuarticRows, n_heads: int, pairs: Tensor, products: Tensor, size: int
-    ) -> "_BlockViews":
-        stack, families = rows.stack, rows.families
+    def of(cls, rows: QuarticRows, pairs: Tensor, products: Tensor, size: int) -> "_BlockViews":
+        stack, families, n_heads = rows.stack, rows.families, rows.n_heads
         n_pairs, n_gathered = n_heads * (n_heads + 1) // 2, rows.gathered.numel()
         u = pairs[: stack * n_pairs * size].view(stack, n_pairs, size)
         gathered = pairs[stack * n_pairs * size : stack * (n_pairs + n_gathered) * size]
