@@ -249,19 +249,11 @@ def stacked_message_grams(
     keys = field.flatten(1, 2)  # every problem's sequences' keys, one after another
     stack = keys.shape[0]
     heads = (n_heads, values.shape[-1] // max(1, n_heads))
-    buffer = keys.new_empty(0)
 
     def head_values(block: slice) -> Tensor:
         """``[stack, head, rows, d_head]``: each problem's values, copied head-major."""
-        nonlocal buffer
         v = torch.bmm(keys[:, block], values)
-        rows = v.shape[1]
-        by_head = v.view(stack, rows, n_heads, heads[1]).transpose(1, 2)
-        if torch.is_grad_enabled() and (v.requires_grad or out_rows.requires_grad):
-            return by_head.contiguous()  # no kept buffer, which autograd cannot follow
-        if buffer.numel() < v.numel():  # the first block is the largest
-            buffer = v.new_empty(v.numel())
-        return buffer[: v.numel()].view(by_head.shape).copy_(by_head)
+        return v.view(stack, v.shape[1], *heads).transpose(1, 2).contiguous()
 
     grams = _paired_grams(head_values, keys[0], (stack, 1), heads, out_rows)[:, 0]
     return grams.unflatten(1, field.shape[1:3])
