@@ -187,9 +187,15 @@ def test_invariant_under_scaling_and_output_rotation(
 
 @pytest.mark.parametrize("exclude_sink", [False, True])
 @pytest.mark.parametrize("query_chunk", [None, 1, 2, 5])
-def test_families_in_one_pass_equal_each_family_alone(exclude_sink, query_chunk):
+@pytest.mark.parametrize("spans", ["chunk budget", "one chunk each"])
+def test_families_in_one_pass_equal_each_family_alone(
+    exclude_sink, query_chunk, spans, monkeypatch
+):
     """Layer-like families (other weights, one walk) in one pass, vs the dense reference each;
-    one key without field (no message: left out) and one padded query row (no mass)."""
+    one key without field (no message: left out) and one padded query row (no mass). The
+    ratios are summarised span by span: every chunk in one span, or each chunk alone."""
+    if spans == "one chunk each":
+        monkeypatch.setattr(fd, "_SPAN_COPIES", chunks.CHUNK_ENTRIES)
     pattern, field, W_V, W_O = random_problem(heads=3, causal=True, seed=12)
     field = field.clone()
     field[1, 2] = 0.0

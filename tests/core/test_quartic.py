@@ -6,6 +6,7 @@ cost model's ranges against every set of cut points.
 
 import itertools
 import math
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -49,10 +50,16 @@ def test_forms_equal_the_dense_quadratic_forms(n_heads, product_cost, row_cost, 
         assert not any(part.transposed for part in rows.ranges)
     if row_cost == 10**6 and product_cost == 0 and n_heads >= 5:
         assert rows.ranges[-1].transposed
-    expected = direct_forms(g, K2, pair_gram)
-    for step in (n_edges, 8):  # one block, and several with a partial last one
-        for got, want in zip(quartic.forms(g, rows, step), expected, strict=True):
-            assert_close(got, want, terms=n_heads**4)  # sums over head quadruples
+    # one block, several with a partial last one (on a GPU a whole one, overlapping the one
+    # before), another call at that block size (the buffers of the one before) on other
+    # gates, fewer edges than the buffers hold
+    cases = ((n_edges, g), (8, g), (8, g.flip(1)), (n_edges + 5, g[:, :3]), (8, g))
+    for (step, gates), budgets in itertools.product(cases, (nullcontext, debug.device_budgets)):
+        expected = direct_forms(gates, K2, pair_gram)
+        with budgets():
+            got = quartic.forms(gates, rows, step)
+        for value, want in zip(got, expected, strict=True):
+            assert_close(value, want, terms=n_heads**4)  # sums over head quadruples
 
 
 @pytest.mark.parametrize("n_heads", [1, 3, 6])

@@ -17,14 +17,14 @@ Convention: a key with ``x_j = 0`` sends no message and has no ratio (0/0): its 
 reported as 0 and its edges are left out of the defects (rows renormalised over the rest).
 """
 
-from collections.abc import Iterator
+from collections.abc import Sequence
 
 import torch
 from einops import einsum, rearrange, reduce
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from tl_connwalk.core._fast.chunks import edge_chunks, query_chunks
+from tl_connwalk.core._fast.chunks import chunk_entries, edge_chunks, query_chunks
 from tl_connwalk.core._fast.messages import (
     cast_operands,
     factored_message_grams,
@@ -83,36 +83,39 @@ def _check_gates(gates: Tensor, n_heads: int, n_key: int) -> None:
         )
 
 
-def _chunk_norms_sq(
-    gates: Tensor, grams: Tensor, query_chunk: int | None, walk: Tensor | None
-) -> Iterator[tuple[slice, int, Tensor]]:
-    """The forms ``g_ij^T G_j g_ij`` of every family, chunk by chunk of queries
-    (``||x_j T_ij||^2 = H^2 g_ij^T G_j g_ij``; with `_ratio_grams`, ``rho_ij^2``).
-
-    ``grams`` ``[family, batch, key, head, head]``. Yields ``(rows, keys, norm_sq)`` with
-    ``norm_sq`` ``[family, batch, rows, keys]`` over the chunk's keys (`edge_chunks`: with
-    ``walk``, the keys up to the chunk's last edge). Key-major: each key's gates of the chunk
-    ``[head, rows]`` meet every family's ``G_j`` in one batched product, so the gates are read
-    once for all families (a head-contracting einsum over ``[batch, head, query, key]`` is
-    bound by its layout copies: 2.5-4x slower on CPU).
-    """
-    families, batch, n_key, n_heads, _ = grams.shape
-    n_query = gates.shape[2]
-    stacked = rearrange(grams, "family batch key a c -> batch key (family a) c")
+def _norm_chunks(
+    gates: Tensor, families: int, query_chunk: int | None, walk: Tensor | None
+) -> list[tuple[slice, int]]:
+    """The chunks of query rows of `_norms_sq` that hold an edge (`edge_chunks`: with
+    ``walk``, each with the keys up to its last edge), sized for its products."""
+    batch, n_heads, n_query, n_key = gates.shape
     per_query = batch * n_key * n_heads * (2 + families)
-    for rows, keys in edge_chunks(n_query, n_key, per_query, query_chunk, walk, gates.device):
-        if keys == 0:  # no edge in these rows
-            continue
-        g = rearrange(gates[:, :, rows, :keys], "batch h query key -> (batch key) h query")
-        g = g.contiguous()
-        mixed = rearrange(stacked[:, :keys], "batch key fa c -> (batch key) fa c") @ g
-        mixed = rearrange(mixed, "bk (family a) query -> bk family a query", family=families)
-        norm_sq = mixed.mul_(g[:, None]).sum(2)  # 2x faster than einsum's bmm over (batch key)
-        yield (
-            rows,
-            keys,
-            rearrange(norm_sq, "(batch key) family query -> family batch query key", batch=batch),
-        )
+    chunks = edge_chunks(n_query, n_key, per_query, query_chunk, walk, gates.device)
+    return [(slice(rows.start, min(rows.stop, n_query)), keys) for rows, keys in chunks if keys]
+
+
+def _key_major(grams: Tensor) -> Tensor:
+    """``[family, batch, key, head, head]`` Grams as `_norms_sq` reads them: ``[key, batch,
+    (family head), head]``, so that the first keys of every sequence are one slice."""
+    return rearrange(grams, "family batch key a c -> key batch (family a) c").contiguous()
+
+
+def _norms_sq(gates: Tensor, grams: Tensor, rows: slice, keys: int) -> Tensor:
+    """The forms ``g_ij^T G_j g_ij`` of every family on a chunk of query rows and its first
+    ``keys`` keys (``||x_j T_ij||^2 = H^2 g_ij^T G_j g_ij``; with `_ratio_grams`,
+    ``rho_ij^2``): ``[family, batch, rows, keys]``, with ``grams`` from `_key_major`.
+
+    Key-major: each key's gates of the chunk ``[head, rows]`` meet every family's ``G_j`` in
+    one batched product, so the gates are read once for all families (a head-contracting
+    einsum over ``[batch, head, query, key]`` is bound by its layout copies: 2.5-4x slower on
+    CPU).
+    """
+    batch, n_heads = gates.shape[:2]
+    g = rearrange(gates[:, :, rows, :keys], "batch h query key -> (key batch) h query")
+    mixed = torch.bmm(grams[:keys].flatten(0, 1), g)  # [(key batch), (family a), query]
+    mixed = mixed.view(g.shape[0], -1, n_heads, g.shape[-1])
+    norm_sq = mixed.mul_(g[:, None]).sum(2)  # 2x faster than einsum's bmm over (key batch)
+    return rearrange(norm_sq, "(key batch) family query -> family batch query key", batch=batch)
 
 
 def message_norm_ratios(
@@ -146,9 +149,9 @@ def message_norm_ratios(
     grams = message_grams(field, W_V, W_O) if grams is None else grams.to(gates)
     batch, _, n_query, n_key = gates.shape
     rho = gates.new_zeros(batch, n_query, n_key)
-    scaled = _ratio_grams(grams[None], field)
-    for rows, keys, rho_sq in _chunk_norms_sq(gates, scaled, query_chunk, walk):
-        rho[:, rows, :keys] = rho_sq[0].clamp_min_(0.0).sqrt_()
+    scaled = _key_major(_ratio_grams(grams[None], field))
+    for rows, keys in _norm_chunks(gates, 1, query_chunk, walk):
+        rho[:, rows, :keys] = _norms_sq(gates, scaled, rows, keys)[0].clamp_min_(0.0).sqrt_()
     return rho
 
 
@@ -227,13 +230,14 @@ def field_isometry_defects(
     """`field_isometry_defect` of several transport families on one walk, in one pass.
 
     Family ``f`` is given by its `message_grams` ``grams[f]`` (a layer and its random draws,
-    say): the gates are read once per chunk of queries for every family, and each chunk's
-    ``rho`` is summarised by its float64 weighted mean and centred spread
-    (`tl_connwalk.core.moments.Moments`, two passes over the chunk), all chunks merged at
-    the end (`Moments.merged`): no ``E[rho^2] - E[rho]^2`` cancellation, so equal ratios give
-    0 exactly, and no ``[batch, n, n]`` tensor of ratios is kept. The field's norms and ``H^2``
-    are folded into the Grams first (`_ratio_grams`). Time ``O(batch n^2 family H^2)``, memory
-    the walk's size plus one chunk. ``edges`` ``[batch, query, key]`` keeps only those edges
+    say): the gates are read once per chunk of queries for every family, and the ``rho`` of
+    each span of chunks (`_spans`: as many as the chunk budget holds) is summarised by its
+    float64 weighted mean and centred spread (`tl_connwalk.core.moments.Moments`, two passes
+    over the span), all spans merged at the end (`Moments.merged`): no ``E[rho^2] - E[rho]^2``
+    cancellation, so equal ratios give 0 exactly, and no ``[batch, n, n]`` tensor of ratios is
+    kept beyond one span. The field's norms and ``H^2`` are folded into the Grams first
+    (`_ratio_grams`). Time ``O(batch n^2 family H^2)``, memory the walk's size plus one chunk
+    and one span. ``edges`` ``[batch, query, key]`` keeps only those edges
     (rows renormalised over them, as ``exclude_sink``), e.g. `tl_connwalk.core.padding.scope`'s.
 
     >>> A = torch.softmax(torch.randn(1, 2, 4, 4), -1)
@@ -256,17 +260,56 @@ def field_isometry_defects(
     if edges is not None:
         kept = edges if kept is None else kept & edges.to(kept.device)
     weights, _ = edge_weights(walk, exclude_sink, kept)
-    # the moments run in float64 (chunk by chunk: no float64 copy of the walk)
+    # the moments run in float64 (span by span: no float64 copy of the walk)
     weights = weights.to(gates.device)
     empty = gates.new_zeros(grams.shape[:2], dtype=torch.float64)
-    parts = [Moments(count=empty, mean=empty, m2=empty)]  # each chunk's, merged at the end
-    scaled = _ratio_grams(grams, field)
-    for rows, keys, rho_sq in _chunk_norms_sq(gates, scaled, query_chunk, walk):
-        weight = weights[:, rows, :keys]
-        rho = rho_sq.clamp_min_(0.0).sqrt_()
+    parts = [Moments(count=empty, mean=empty, m2=empty)]  # each span's, merged at the end
+    scaled = _key_major(_ratio_grams(grams, field))
+    chunks = _norm_chunks(gates, grams.shape[0], query_chunk, walk)
+    for span, keys, spanned in _spans(chunks, grams.shape[0] * field.shape[0], gates.device):
+        # the span's ratios, 0 off its chunks' keys and rows (no edge there)
+        rho = gates.new_zeros(grams.shape[0], field.shape[0], span.stop - span.start, keys)
+        for rows, width in spanned:
+            rho_sq = _norms_sq(gates, scaled, rows, width)
+            within = slice(rows.start - span.start, rows.stop - span.start)
+            rho[:, :, within, :width] = rho_sq.clamp_min_(0.0).sqrt_()
+        weight = weights[:, span, :keys]
         rho = torch.where(weight > 0, rho, 0.0)  # no value off the walk, not even a NaN
         parts.append(Moments.of_edges(rho.to(torch.float64), weight.to(torch.float64)))
     return Moments.merged(parts).cv.to(working_dtype(field, gates, grams))
+
+
+#: Numbers held per ratio of a span (`_spans`): the float32 ratios, their float64 copy and
+#: the float64 temporaries of its summary, counted in float32 entries.
+_SPAN_COPIES = 8
+
+
+def _spans(
+    chunks: Sequence[tuple[slice, int]], per_row_key: int, device: torch.device
+) -> list[tuple[slice, int, list[tuple[slice, int]]]]:
+    """Consecutive chunks summarised together, as ``(rows, keys, chunks)``: as many as keep
+    ``_SPAN_COPIES`` numbers per ratio (``per_row_key`` ratios per row and key) within the
+    chunk budget of ``device`` (at least one chunk), over their rows and widest keys.
+
+    A span's ratios ``[family, batch, rows, keys]`` are a small share of a chunk's products
+    (those hold ``head x (2 + family)`` numbers per edge), so one summary
+    (`Moments.of_edges`) covers several chunks.
+
+    >>> [(rows, keys, len(spanned)) for rows, keys, spanned in _spans(
+    ...     [(slice(0, 2), 2), (slice(2, 4), 4), (slice(6, 8), 8)], 1, torch.device("cpu"))]
+    [(slice(0, 8, None), 8, 3)]
+    """
+    spans: list[tuple[slice, int, list[tuple[slice, int]]]] = []
+    budget = chunk_entries(device)
+    for rows, keys in chunks:
+        if spans:
+            span, width, spanned = spans[-1]
+            wider = max(width, keys)
+            if (rows.stop - span.start) * wider * per_row_key * _SPAN_COPIES <= budget:
+                spans[-1] = (slice(span.start, rows.stop), wider, [*spanned, (rows, keys)])
+                continue
+        spans.append((rows, keys, [(rows, keys)]))
+    return spans
 
 
 def head_field_isometry_defects(

@@ -90,7 +90,8 @@ def is_irreducible(walk: Float[Tensor, "batch query key"]) -> Bool[Tensor, " bat
 
 def _is_irreducible(walk64: Tensor, real: Tensor | None = None) -> Tensor:
     """`is_irreducible` of a checked float64 walk; with ``real`` ``[batch, pos]``, of the walk
-    among the real positions (the walk is zero off them)."""
+    among the real positions (the walk is zero off them). Backwards only where some sequence
+    reaches every position forwards (a causal walk's forward search ends at once)."""
     edges = (walk64 > 0).to(torch.float64)
     batch, n_pos, _ = edges.shape
     start = torch.zeros(batch, n_pos, dtype=torch.float64, device=edges.device)
@@ -98,16 +99,29 @@ def _is_irreducible(walk64: Tensor, real: Tensor | None = None) -> Tensor:
         start[:, 0] = 1.0
     else:
         start[torch.arange(batch, device=edges.device), first_real(real)] = 1.0
-    forward, backward = start, start
-    for _ in range(n_pos):
-        new_forward = ((forward + einsum(forward, edges, "b i, b i j -> b j")) > 0).to(forward)
-        new_backward = ((backward + einsum(edges, backward, "b i j, b j -> b i")) > 0).to(forward)
-        if torch.equal(new_forward, forward) and torch.equal(new_backward, backward):
+
+    def everywhere(reached: Tensor) -> Tensor:
+        if real is not None:  # padding is never reached, and need not be
+            reached = reached + ~real
+        return (reached > 0).all(-1)
+
+    forwards = everywhere(_reached(start, edges))
+    if not bool(forwards.any()):
+        return forwards
+    return forwards & everywhere(_reached(start, edges.mT))
+
+
+def _reached(start: Tensor, edges: Tensor) -> Tensor:
+    """The positions reachable from ``start`` ``[batch, pos]`` (> 0) along ``edges`` ``[batch,
+    from, to]`` (> 0), breadth first until nothing new is reached: ``[batch, pos]``."""
+    reached = start
+    for _ in range(edges.shape[-1]):
+        step = torch.bmm(reached[:, None], edges)[:, 0]
+        new = ((reached + step) > 0).to(reached)
+        if torch.equal(new, reached):
             break
-        forward, backward = new_forward, new_backward
-    if real is not None:  # padding is never reached, and need not be
-        forward, backward = forward + ~real, backward + ~real
-    return (forward > 0).all(-1) & (backward > 0).all(-1)
+        reached = new
+    return reached
 
 
 def _uniform(walk64: Tensor, real: Tensor | None) -> Tensor:

@@ -166,7 +166,8 @@ class QuarticRows:
     range's row pairs, a transposed range's column pairs), then each transposed range's row
     pairs, the factor of its product (at ``inputs[k]``; ``None`` for a normal range, whose
     factor is the column suffix of ``u`` itself). ``pairs`` holds the heads ``(a, c)`` of the
-    pair products ``u``, in `head_pairs` order.
+    pair products ``u``, in `head_pairs` order; ``buffers``, `forms`' buffers, which its next
+    call reuses.
     """
 
     blocks: tuple[Tensor, ...]
@@ -179,6 +180,7 @@ class QuarticRows:
     stack: int
     stacked: bool
     pairs: tuple[Tensor, Tensor]
+    buffers: list["_Buffers"] = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     @property
     def outputs(self) -> int:
@@ -240,8 +242,10 @@ def forms(g: Tensor, rows: QuarticRows, step: int) -> tuple[Tensor, Tensor]:
     products `QuarticRows.gathered` lists, one (batched) matrix product per range (times the
     column pairs' products, or the row pairs' where transposed) into one ``[stack, outputs,
     family, edge]`` buffer (slot 0: ``s2``), then one multiply-and-sum by the multipliers'
-    products into ``s4``. The buffers and their views are made once per block size, so a
-    block dispatches ``10 + ranges`` operations.
+    products into ``s4``: ``10 + ranges`` operations. The buffers are kept on ``rows``
+    (`_Buffers`) for its next call, with their views at each block size. On a GPU
+    (`on_device`) the last block is a whole one that ends at the last edge (its overlap with
+    the block before is computed twice), so that every block has one size.
     """
     if (
         g.ndim != (3 if rows.stacked else 2)
@@ -258,24 +262,55 @@ def forms(g: Tensor, rows: QuarticRows, step: int) -> tuple[Tensor, Tensor]:
     stack, _, n_edges = g.shape
     s4, s2 = g.new_empty(stack, rows.families, n_edges), g.new_empty(stack, rows.families, n_edges)
     first, second = rows.pairs
-    width = min(step, n_edges)
-    # flat buffers for every block, viewed contiguously at each block's size
-    pairs = g.new_empty(stack * (first.numel() + rows.gathered.numel()) * width)
-    products = g.new_empty(stack * rows.outputs * rows.families * width)
-    views = None
-    for start in range(0, n_edges, step):
-        block = g[..., start : start + step]
-        size = block.shape[-1]
-        if views is None or views.size != size:
-            views = _BlockViews.of(rows, pairs, products, size)
+    size = min(step, n_edges)
+    buffers = _Buffers.kept(rows, g, size)
+    starts = list(range(0, n_edges, max(1, size)))
+    if starts and on_device(g.device):
+        starts[-1] = n_edges - size
+    for start in starts:
+        block = g[..., start : start + size]
+        views = buffers.at(block.shape[-1])
         # u_{ac} = g^a g^c for c >= a, in `head_pairs` order: every pair in one product
         torch.mul(block.index_select(1, first), block.index_select(1, second), out=views.u)
         torch.index_select(views.u, 1, rows.gathered, out=views.gathered)
         for coefficients, factor, out in zip(rows.blocks, views.inputs, views.outputs, strict=True):
             torch.bmm(coefficients, factor, out=out)
-        s2[..., start : start + size] = views.s2
-        torch.sum(views.rest.mul_(views.multipliers), 1, out=s4[..., start : start + size])
+        s2[..., start : start + views.size] = views.s2
+        torch.sum(views.rest.mul_(views.multipliers), 1, out=s4[..., start : start + views.size])
     return (s4, s2) if rows.stacked else (s4[0], s2[0])
+
+
+class _Buffers:
+    """`forms`' flat buffers for blocks of up to ``capacity`` edges of one `QuarticRows`, and
+    their views at the block sizes in use (the largest and the last other one)."""
+
+    def __init__(self, rows: QuarticRows, g: Tensor, capacity: int) -> None:
+        n_pairs = rows.n_heads * (rows.n_heads + 1) // 2
+        self.rows, self.capacity = rows, capacity
+        self.pairs = g.new_empty(rows.stack * (n_pairs + rows.gathered.numel()) * capacity)
+        self.products = g.new_empty(rows.stack * rows.outputs * rows.families * capacity)
+        self.views: dict[int, _BlockViews] = {}
+
+    @classmethod
+    def kept(cls, rows: QuarticRows, g: Tensor, size: int) -> "_Buffers":
+        """The buffers ``rows`` keeps when they hold ``size`` edges of gates like ``g`` (dtype
+        and device), else new ones, kept in their place."""
+        if rows.buffers:
+            buffers = rows.buffers[0]
+            pairs = buffers.pairs
+            if buffers.capacity >= size and (pairs.dtype, pairs.device) == (g.dtype, g.device):
+                return buffers
+        rows.buffers[:] = [cls(rows, g, size)]
+        return rows.buffers[0]
+
+    def at(self, size: int) -> "_BlockViews":
+        """The buffers viewed at blocks of ``size`` edges (made on first use)."""
+        if size not in self.views:
+            if len(self.views) > 1:  # keep the largest: every call's whole blocks
+                largest = max(self.views)
+                self.views = {largest: self.views[largest]}
+            self.views[size] = _BlockViews.of(self.rows, self.pairs, self.products, size)
+        return self.views[size]
 
 
 @dataclasses.dataclass(frozen=True)
