@@ -13,9 +13,10 @@ it finished), then a summary:
    (kernel launches) and times of `geometry_table` against its `run_with_cache`, printed as a
    table.
 4. ``budgets``: `geometry_table` of the GPT-2-small shape at 1,024 tokens with the device's
-   chunk budget (``DEVICE_CHUNK_ENTRIES``) at 2**24 (the CPU's chunks, the GPU's blocks and
-   products), 2**26 and 2**28 numbers: the median of three warm runs, the peak memory over
-   the cache, the operations and the largest difference from the default budget's table.
+   own chunk budget (its memory over ``DEVICE_MEMORY_SHARE``), then with it lowered
+   (``DEVICE_CHUNK_ENTRIES``) to 2**24 (the CPU's chunks, the GPU's blocks and products),
+   2**26 and 2**28 numbers: the median of three warm runs, the peak memory over the cache,
+   the operations and the largest difference from the default budget's table.
 5. ``edge_blocks``: one GPT-2-small-shaped layer at 4096 tokens, ``laplacian_residual`` with
    the per-edge work in blocks of each number of products (`chunks.edge_block`), the median
    of three timed runs after one untimed, and the largest difference from the default.

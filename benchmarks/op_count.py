@@ -15,7 +15,8 @@ for every cache after a model's first), for
 
 each with one sequence of 256 tokens (``--tokens``), on the CPU (``--device cuda``: a GPU).
 A GPU takes larger chunks and blocks of work than a CPU (`tl_connwalk.debug.device_budgets`);
-``--device-budgets`` takes them on the CPU too, so that a CPU counts what a GPU launches.
+``--device-budgets`` takes them on the CPU too, so that a CPU counts what a GPU launches;
+they are a share of the GPU's memory, ``--device-memory GIB`` (default 64).
 ``forward`` is the ``run_with_cache(tokens)`` pass that made the cache (every hook point
 cached), ``forward_lean`` the same pass with ``names_filter=tl_connwalk.required_hooks(model)``.
 Per measurement it prints the operations summed over the layers, per layer, and as a multiple
@@ -29,6 +30,8 @@ interleaved, and reports their medians and the ratio of the medians (``table_tim
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/op_count.py            # all three models
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/op_count.py gpt2 --repeats 0
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/op_count.py gpt2 --tokens 1024 --device-budgets
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/op_count.py llama8b --tokens 1024 \
+        --repeats 0 --device-budgets --device-memory 139   # as on an H200
     python benchmarks/op_count.py gpt2 llama8b --tokens 1024 --device cuda
 
 One JSON line per model.
@@ -96,10 +99,16 @@ def _median_times(
 
 
 def measure(
-    name: str, n_pos: int, repeats: int, device: str = "cpu", as_on_gpu: bool = False
+    name: str,
+    n_pos: int,
+    repeats: int,
+    device: str = "cpu",
+    as_on_gpu: bool = False,
+    memory: int | None = None,
 ) -> dict[str, Any]:
     """The counts (and with ``repeats`` the times) of one model at ``n_pos`` tokens; with
-    ``as_on_gpu``, chunks and blocks sized as on a GPU on any device (`device_budgets`)."""
+    ``as_on_gpu``, chunks and blocks sized as on a GPU on any device (`device_budgets`), of
+    ``memory`` bytes where given."""
     model = build(name, n_pos, device)
     tokens = tokens_for(model, n_pos).to(device)
     names = tl_connwalk.required_hooks(model)
@@ -113,7 +122,7 @@ def measure(
     def table() -> object:
         return tl_connwalk.geometry_table(cache, progress=False)
 
-    with torch.no_grad(), device_budgets() if as_on_gpu else nullcontext():
+    with torch.no_grad(), device_budgets(memory) if as_on_gpu else nullcontext():
         cache = forward()
         table()  # warm: the head Grams of every layer are computed once per set of weights
         counts = {"forward": operations_of(forward).total}
@@ -137,7 +146,7 @@ def measure(
         "tokens": n_pos,
         "layers": len(layers),
         "device": device,
-        "budgets": "cpu" if torch.device(device).type == "cpu" and not as_on_gpu else "device",
+        "budgets": _budgets(device, as_on_gpu, memory),
         "torch": torch.__version__,
         "operations": counts,
         "per_layer": {key: sum(values) / len(layers) for key, values in per_layer.items()},
@@ -147,6 +156,14 @@ def measure(
         "table_seconds": None if times is None else times[0],
         "forward_seconds": None if times is None else times[1],
     }
+
+
+def _budgets(device: str, as_on_gpu: bool, memory: int | None) -> str:
+    """Which budgets the work took: ``cpu``, ``device`` (the device's own, or a GPU of
+    ``DEVICE_MEMORY`` on the CPU) or ``device (N GiB)``."""
+    if torch.device(device).type == "cpu" and not as_on_gpu:
+        return "cpu"
+    return "device" if memory is None else f"device ({memory / 2**30:g} GiB)"
 
 
 def main() -> None:
@@ -159,13 +176,21 @@ def main() -> None:
         "--device-budgets", action="store_true",
         help="chunks and blocks sized as on a GPU, on any device (count what a GPU launches)",
     )  # fmt: skip
+    parser.add_argument(
+        "--device-memory", type=float, metavar="GIB",
+        help="with --device-budgets: size them for a GPU of this memory in GiB (default: the "
+        "device's own, else DEVICE_MEMORY, 64)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.device_memory is not None and not args.device_budgets:
+        parser.error("--device-memory sizes --device-budgets: pass both")
     unknown = set(args.models) - set(MODELS)
     if unknown:
         parser.error(f"unknown models {sorted(unknown)}; choose from {MODELS}")
     torch.set_num_threads(1)
     for name in args.models or MODELS[:3]:
-        result = measure(name, args.tokens, args.repeats, args.device, args.device_budgets)
+        memory = None if args.device_memory is None else int(args.device_memory * 2**30)
+        result = measure(name, args.tokens, args.repeats, args.device, args.device_budgets, memory)
         print(json.dumps(result), flush=True)
 
 

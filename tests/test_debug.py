@@ -76,7 +76,7 @@ def test_device_budgets_apply_on_the_cpu_inside_the_block_only():
         assert on_device(cpu)
         with device_budgets():  # nested: still in force after the inner block
             pass
-        assert chunks.chunk_entries(cpu) == chunks.DEVICE_CHUNK_ENTRIES
+        assert chunks.chunk_entries(cpu) == chunks.DEVICE_MEMORY // chunks.DEVICE_MEMORY_SHARE
         raise RuntimeError("inside")
     assert not on_device(cpu)
     assert chunks.chunk_entries(cpu) == chunks.CHUNK_ENTRIES

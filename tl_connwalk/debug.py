@@ -34,7 +34,12 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["OperationCount", "count_operations", "device_budgets", "on_device", "operations_of"]
+from tl_connwalk.errors import ConnWalkError
+
+__all__ = [
+    "OperationCount", "assumed_memory", "count_operations", "device_budgets", "on_device",
+    "operations_of",
+]  # fmt: skip
 
 
 @dataclass
@@ -103,6 +108,9 @@ def operations_of(fn: Callable[[], object]) -> OperationCount:
 #: async task, as the operation counter is).
 _everywhere: contextvars.ContextVar[bool] = contextvars.ContextVar("device_budgets", default=False)
 
+#: The GPU memory (bytes) `device_budgets` sizes the work for, where it was given one.
+_memory: contextvars.ContextVar[int | None] = contextvars.ContextVar("device_memory", default=None)
+
 
 def on_device(device: torch.device | None) -> bool:
     """Whether work on ``device`` takes a GPU's sizes (`tl_connwalk.core._fast.chunks`,
@@ -113,14 +121,24 @@ def on_device(device: torch.device | None) -> bool:
     return _everywhere.get() or (device is not None and device.type != "cpu")
 
 
+def assumed_memory() -> int | None:
+    """The GPU memory (bytes) the enclosing `device_budgets` sizes the work for, or ``None``
+    (each device's own: a CUDA device's, else
+    ``tl_connwalk.core.isometry.DEVICE_MEMORY``)."""
+    return _memory.get() if _everywhere.get() else None
+
+
 @contextmanager
-def device_budgets() -> Iterator[None]:
+def device_budgets(memory: int | None = None) -> Iterator[None]:
     """Chunks, blocks and products sized as on a GPU, on every device: what the work launches
-    on a GPU, counted on a CPU (`tl_connwalk.debug.count_operations`). Results do not depend
-    on the sizes; the CPU runs slower and holds more memory inside. In force for the calling
-    thread only. The random baselines' draws cached before the block keep the sizes they were
-    made with (`tl_connwalk.clear_caches()` first, or a warm-up inside the block, counts them
-    as a GPU would).
+    on a GPU, counted on a CPU (`tl_connwalk.debug.count_operations`). The budgets are a
+    share of the GPU's memory (``tl_connwalk.core.isometry.DEVICE_MEMORY_SHARE``): of
+    ``memory`` bytes where given (``80 * 2**30``: an 80 GiB GPU), else of a CUDA device's own,
+    else of ``DEVICE_MEMORY`` (64 GiB). Results do not depend on the sizes; the CPU runs
+    slower and holds more memory inside. In force for the calling thread only. The random
+    baselines' draws cached before the block keep the sizes they were made with
+    (`tl_connwalk.clear_caches()` first, or a warm-up inside the block, counts them as a GPU
+    would).
 
     >>> with device_budgets():
     ...     on_device(torch.device("cpu"))
@@ -128,8 +146,18 @@ def device_budgets() -> Iterator[None]:
     >>> on_device(torch.device("cpu"))
     False
     """
+    if memory is not None and (
+        isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0
+    ):
+        raise ConnWalkError(
+            f"device_budgets(memory={memory!r}): memory is the GPU's memory in bytes, a "
+            "positive int (80 * 2**30 for an 80 GiB GPU), or None for each device's own."
+        )
     token = _everywhere.set(True)
+    sized = None if memory is None else _memory.set(memory)
     try:
         yield
     finally:
+        if sized is not None:
+            _memory.reset(sized)
         _everywhere.reset(token)

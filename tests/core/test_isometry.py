@@ -274,14 +274,15 @@ def test_edge_blocks_split_the_edges_without_changing_them(monkeypatch):
     blocked = fast_edges._family_gram_defects(listed, rows, rank=8)
     for got, expected in zip(blocked, whole, strict=True):
         assert_close(got, expected)
-    # accelerators: blocks as wide as DEVICE_BLOCK_ENTRIES products allow (at least one
-    # edge), whatever EDGE_BLOCK is; no cap by the device's memory here
+    # accelerators: blocks as wide as the device's budget of products allows (at least one
+    # edge), whatever EDGE_BLOCK is; a GPU of DEVICE_MEMORY here
     monkeypatch.setattr(chunks, "_memory_of", lambda device: None)
     cuda = torch.device("cuda")
     assert chunks.edge_block(torch.device("cpu"), rows) == 4
     width = chunks.edge_block(cuda, rows)
-    assert width == chunks.DEVICE_BLOCK_ENTRIES // (rows.outputs * rows.families) > 4
-    assert rows.outputs * rows.families * width <= chunks.DEVICE_BLOCK_ENTRIES
+    budget = chunks.DEVICE_MEMORY // chunks.DEVICE_MEMORY_SHARE
+    assert width == budget // (rows.outputs * rows.families) > 4
+    assert rows.outputs * rows.families * width <= budget
     monkeypatch.setattr(chunks, "DEVICE_BLOCK_ENTRIES", 3 * rows.outputs * rows.families)
     assert chunks.edge_block(cuda, rows) == 3
     monkeypatch.setattr(chunks, "DEVICE_BLOCK_ENTRIES", 1)

@@ -31,6 +31,7 @@ from tl_connwalk.core._fast.chunks import (
     CHUNK_ENTRIES,
     DEVICE_BLOCK_ENTRIES,
     DEVICE_CHUNK_ENTRIES,
+    DEVICE_MEMORY,
     DEVICE_MEMORY_SHARE,
     DEVICE_WALK_CHUNKS,
     EDGE_BLOCK,
@@ -94,6 +95,7 @@ __all__ = [
     "CHUNK_ENTRIES",
     "DEVICE_BLOCK_ENTRIES",
     "DEVICE_CHUNK_ENTRIES",
+    "DEVICE_MEMORY",
     "DEVICE_MEMORY_SHARE",
     "DEVICE_WALK_CHUNKS",
     "EDGE_BLOCK",
@@ -317,6 +319,6 @@ def common_scale(
 
 
 # Reading or setting ``CHUNK_ENTRIES``, ``DEVICE_CHUNK_ENTRIES``, ``DEVICE_BLOCK_ENTRIES``,
-# ``DEVICE_MEMORY_SHARE``, ``EDGE_BLOCK``, ``WALK_CHUNKS`` or ``DEVICE_WALK_CHUNKS`` here reads
-# or sets the budget every chunked computation uses.
+# ``DEVICE_MEMORY``, ``DEVICE_MEMORY_SHARE``, ``EDGE_BLOCK``, ``WALK_CHUNKS`` or
+# ``DEVICE_WALK_CHUNKS`` here reads or sets the budget every chunked computation uses.
 chunks.forward_budgets(__name__)

@@ -12,7 +12,7 @@ from einops import reduce
 from torch import Tensor
 
 from tl_connwalk.core._fast.quartic import QuarticRows
-from tl_connwalk.debug import on_device
+from tl_connwalk.debug import assumed_memory, on_device
 
 #: Working-memory budget (entries) of the chunked contractions below, on the CPU: small
 #: chunks keep the temporaries in cache.
@@ -20,9 +20,9 @@ CHUNK_ENTRIES = 2**24
 
 
 #: The same budget on other devices (CUDA, MPS), where every chunk costs a fixed number of
-#: kernel launches whatever its size (`chunk_entries`): 1 GiB of float32 numbers, less on a
-#: small GPU (`DEVICE_MEMORY_SHARE`).
-DEVICE_CHUNK_ENTRIES = 2**28
+#: kernel launches whatever its size (`chunk_entries`): the device's memory over
+#: ``DEVICE_MEMORY_SHARE`` numbers, at most this (4 GiB of float32 numbers).
+DEVICE_CHUNK_ENTRIES = 2**30
 
 
 #: Edges per block of the per-edge Gram work on the CPU: its temporaries stay in cache.
@@ -30,8 +30,9 @@ EDGE_BLOCK = 4096
 
 
 #: Numbers in one block's products on other devices (CUDA, MPS), where a block costs kernel
-#: launches rather than cache misses (`edge_block`), less on a small GPU.
-DEVICE_BLOCK_ENTRIES = 2**28
+#: launches rather than cache misses (`edge_block`): the device's memory over
+#: ``DEVICE_MEMORY_SHARE``, at most this.
+DEVICE_BLOCK_ENTRIES = 2**30
 
 
 #: With a walk, automatic chunks of rows are at most this share of them (at least 16 rows),
@@ -44,18 +45,24 @@ WALK_CHUNKS = 8
 DEVICE_WALK_CHUNKS = 2
 
 
-#: On a CUDA device both device budgets are at most its memory (bytes) over this: the
-#: measurements hold about four budgets' numbers at once (the chunk, the quartic forms'
-#: products and a group of layers with its stacked copy), so that is ~16 bytes per entry of
-#: the budget in float32, and the peak stays near a sixteenth of the device (80 GiB: the
-#: full 2**28; 16 GiB: 2**26).
+#: Both device budgets are a device's memory (bytes) over this: the measurements hold about
+#: four budgets' numbers at once (the chunk, the quartic forms' products and a group of
+#: layers with its stacked copy), so that is ~16 bytes per entry of the budget in float32,
+#: and the peak stays near a sixteenth of the device (80 GiB: 2**28.3 numbers, 1.25 GiB;
+#: 16 GiB: 2**26).
 DEVICE_MEMORY_SHARE = 256
+
+
+#: The memory (bytes) of a device that does not tell its own, and of the GPU that
+#: `tl_connwalk.debug.device_budgets` sizes the work for unless told: 64 GiB, budgets of
+#: 2**28 numbers (1 GiB in float32).
+DEVICE_MEMORY = 64 * 2**30
 
 
 #: The budgets above; the public modules that show them forward reads and assignments here.
 BUDGETS = (
-    "CHUNK_ENTRIES", "DEVICE_BLOCK_ENTRIES", "DEVICE_CHUNK_ENTRIES", "DEVICE_MEMORY_SHARE",
-    "DEVICE_WALK_CHUNKS", "EDGE_BLOCK", "WALK_CHUNKS",
+    "CHUNK_ENTRIES", "DEVICE_BLOCK_ENTRIES", "DEVICE_CHUNK_ENTRIES", "DEVICE_MEMORY",
+    "DEVICE_MEMORY_SHARE", "DEVICE_WALK_CHUNKS", "EDGE_BLOCK", "WALK_CHUNKS",
 )  # fmt: skip
 
 
@@ -88,30 +95,38 @@ def forward_budgets(module: str) -> None:
 
 @functools.cache
 def _memory_of(device: torch.device) -> int | None:
-    """Bytes of memory of a CUDA device (``None`` for other devices, or without CUDA)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    return int(torch.cuda.get_device_properties(device).total_memory)
+    """Bytes of memory of a CUDA device, or the share of the unified memory an MPS device
+    recommends for its work (``None`` for other devices, or without them)."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "mps" and torch.backends.mps.is_available():
+        return int(torch.mps.recommended_max_memory())
+    return None
 
 
 def _device_budget(entries: int, device: torch.device | None) -> int:
-    """``entries`` capped at the device's memory over ``DEVICE_MEMORY_SHARE`` (CUDA)."""
-    memory = None if device is None else _memory_of(device)
+    """A device budget: the device's memory over ``DEVICE_MEMORY_SHARE`` numbers, at most
+    ``entries`` and at least ``CHUNK_ENTRIES``. The memory is the one
+    `tl_connwalk.debug.device_budgets` was given, else a CUDA or MPS device's own
+    (`_memory_of`), else ``DEVICE_MEMORY``."""
+    memory = assumed_memory()
+    if memory is None and device is not None:
+        memory = _memory_of(device)
     if memory is None:
-        return entries
+        memory = DEVICE_MEMORY
     return min(entries, max(CHUNK_ENTRIES, memory // DEVICE_MEMORY_SHARE))
 
 
 def chunk_entries(device: torch.device | None = None) -> int:
-    """The chunk budget of work on ``device``: ``DEVICE_CHUNK_ENTRIES`` where it takes a GPU's
-    sizes (`tl_connwalk.debug.on_device`; capped on a CUDA device at its memory over
-    ``DEVICE_MEMORY_SHARE``, at least ``CHUNK_ENTRIES``), else ``CHUNK_ENTRIES``.
+    """The chunk budget of work on ``device``: where it takes a GPU's sizes (`on_device`),
+    its memory over ``DEVICE_MEMORY_SHARE`` numbers (`_device_budget`: at most
+    ``DEVICE_CHUNK_ENTRIES``, at least ``CHUNK_ENTRIES``), else ``CHUNK_ENTRIES``.
 
     >>> chunk_entries(torch.device("cpu")) == CHUNK_ENTRIES
     True
     >>> from tl_connwalk.debug import device_budgets
-    >>> with device_budgets():
-    ...     chunk_entries(torch.device("cpu")) == DEVICE_CHUNK_ENTRIES
+    >>> with device_budgets():  # a GPU of DEVICE_MEMORY
+    ...     chunk_entries(torch.device("cpu")) == DEVICE_MEMORY // DEVICE_MEMORY_SHARE
     True
     """
     return _device_budget(DEVICE_CHUNK_ENTRIES, device) if on_device(device) else CHUNK_ENTRIES
@@ -167,8 +182,8 @@ def edge_chunks(
 def edge_block(device: torch.device, rows: QuarticRows) -> int:
     """Edges per block of `_family_gram_defects`: ``EDGE_BLOCK`` on the CPU (at most as many
     as keep a block's products, ``QuarticRows.outputs`` per family, stacked problem and edge,
-    within ``CHUNK_ENTRIES`` numbers); on a GPU (`on_device`) as many as fill
-    ``DEVICE_BLOCK_ENTRIES`` numbers of products (capped as `chunk_entries` is), at least one.
+    within ``CHUNK_ENTRIES`` numbers); on a GPU (`on_device`) as many as fill its block
+    budget of products (`_device_budget` of ``DEVICE_BLOCK_ENTRIES``), at least one.
     """
     per_edge = rows.outputs * rows.families * rows.stack
     if not on_device(device):
