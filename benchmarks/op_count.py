@@ -16,7 +16,8 @@ for every cache after a model's first), for
 each with one sequence of 256 tokens (``--tokens``), on the CPU (``--device cuda``: a GPU).
 A GPU takes larger chunks and blocks of work than a CPU (`tl_connwalk.debug.device_budgets`);
 ``--device-budgets`` takes them on the CPU too, so that a CPU counts what a GPU launches;
-they are a share of the GPU's memory, ``--device-memory GIB`` (default 64).
+they are a share of the GPU's memory, ``--device-memory GIB`` (default: the device's own, 64
+GiB on the CPU).
 ``forward`` is the ``run_with_cache(tokens)`` pass that made the cache (every hook point
 cached), ``forward_lean`` the same pass with ``names_filter=tl_connwalk.required_hooks(model)``.
 Per measurement it prints the operations summed over the layers, per layer, and as a multiple
@@ -184,6 +185,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.device_memory is not None and not args.device_budgets:
         parser.error("--device-memory sizes --device-budgets: pass both")
+    if args.device_memory is not None and args.device_memory * 2**30 < 1:
+        parser.error(f"--device-memory {args.device_memory}: a GPU's memory in GiB, above 0")
     unknown = set(args.models) - set(MODELS)
     if unknown:
         parser.error(f"unknown models {sorted(unknown)}; choose from {MODELS}")

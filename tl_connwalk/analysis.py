@@ -154,8 +154,8 @@ def geometry_table(
     (`ConnectionWalk.laplacian_residuals`: the operations, on a GPU the kernel launches, grow
     little with the number of layers): as many layers at once as hold
     ``tl_connwalk.core.isometry.CHUNK_ENTRIES`` numbers of gates, fields and message Grams on
-    the CPU, ``DEVICE_CHUNK_ENTRIES`` on a GPU (at least one), so memory holds a group's walks
-    and message Grams, their stacked copies and the next layer's walk.
+    the CPU, the GPU's memory over ``DEVICE_MEMORY_SHARE`` on a GPU (at least one), so memory
+    holds a group's walks and message Grams, their stacked copies and the next layer's walk.
 
     >>> table = tl_connwalk.geometry_table(cache, progress=False)
     >>> table[table["head"] == "all"][["layer", "transport_defect", "transport_defect_baseline"]]

@@ -26,10 +26,11 @@ every device, so that a CPU counts what a GPU would launch:
 
 import collections
 import contextvars
+import operator
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -123,22 +124,21 @@ def on_device(device: torch.device | None) -> bool:
 
 def assumed_memory() -> int | None:
     """The GPU memory (bytes) the enclosing `device_budgets` sizes the work for, or ``None``
-    (each device's own: a CUDA device's, else
+    (each device's own: a CUDA device's, or the memory an MPS device recommends, else
     ``tl_connwalk.core.isometry.DEVICE_MEMORY``)."""
     return _memory.get() if _everywhere.get() else None
 
 
-@contextmanager
-def device_budgets(memory: int | None = None) -> Iterator[None]:
+def device_budgets(memory: SupportsIndex | None = None) -> AbstractContextManager[None]:
     """Chunks, blocks and products sized as on a GPU, on every device: what the work launches
     on a GPU, counted on a CPU (`tl_connwalk.debug.count_operations`). The budgets are a
     share of the GPU's memory (``tl_connwalk.core.isometry.DEVICE_MEMORY_SHARE``): of
-    ``memory`` bytes where given (``80 * 2**30``: an 80 GiB GPU), else of a CUDA device's own,
-    else of ``DEVICE_MEMORY`` (64 GiB). Results do not depend on the sizes; the CPU runs
-    slower and holds more memory inside. In force for the calling thread only. The random
-    baselines' draws cached before the block keep the sizes they were made with
-    (`tl_connwalk.clear_caches()` first, or a warm-up inside the block, counts them as a GPU
-    would).
+    ``memory`` bytes where given (``80 * 2**30``: an 80 GiB GPU), else of a CUDA device's own
+    (or the memory an MPS device recommends), else of ``DEVICE_MEMORY`` (64 GiB; the CPU's
+    case). Results do not depend on the sizes; the CPU runs slower and holds more memory
+    inside. In force for the calling thread only. The random baselines' draws cached before
+    the block keep the sizes they were made with (`tl_connwalk.clear_caches()` first, or a
+    warm-up inside the block, counts them as a GPU would).
 
     >>> with device_budgets():
     ...     on_device(torch.device("cpu"))
@@ -146,13 +146,22 @@ def device_budgets(memory: int | None = None) -> Iterator[None]:
     >>> on_device(torch.device("cpu"))
     False
     """
-    if memory is not None and (
-        isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0
-    ):
+    if memory is None:
+        return _sized_as_on_a_gpu(None)
+    try:
+        size = -1 if isinstance(memory, bool) else operator.index(memory)
+    except TypeError:
+        size = -1
+    if size <= 0:
         raise ConnWalkError(
             f"device_budgets(memory={memory!r}): memory is the GPU's memory in bytes, a "
-            "positive int (80 * 2**30 for an 80 GiB GPU), or None for each device's own."
+            "positive integer (80 * 2**30 for an 80 GiB GPU), or None for each device's own."
         )
+    return _sized_as_on_a_gpu(size)
+
+
+@contextmanager
+def _sized_as_on_a_gpu(memory: int | None) -> Iterator[None]:
     token = _everywhere.set(True)
     sized = None if memory is None else _memory.set(memory)
     try:

@@ -1,5 +1,6 @@
 """The chunk budgets: set through the public modules that show them, read where they are used."""
 
+import numpy
 import pytest
 import torch
 
@@ -89,18 +90,33 @@ def test_device_budgets_size_the_work_for_the_memory_they_are_given(monkeypatch)
     assert debug.assumed_memory() is None
     assert chunks.chunk_entries(cuda) == 2**26  # the device's own again
     for bad in (0, -(2**30)):
-        with pytest.raises(ConnWalkError, match="memory in bytes"), debug.device_budgets(bad):
-            pass
+        with pytest.raises(ConnWalkError, match="memory in bytes"):
+            debug.device_budgets(bad)  # on the call, before the block
+    with debug.device_budgets(numpy.int64(2**36)):  # any integer
+        assert chunks.chunk_entries(cpu) == 2**28
 
 
 def test_an_mps_device_takes_the_memory_it_recommends(monkeypatch):
     """On Apple silicon the GPU shares the unified memory: the budgets are a share of what
     MPS recommends for one process's work (`torch.mps.recommended_max_memory`)."""
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
-    monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: 16 * 2**30)
+    monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: 16 * 2**30, raising=False)
     chunks._memory_of.cache_clear()
     try:
         assert chunks._memory_of(torch.device("mps")) == 16 * 2**30
         assert chunks.chunk_entries(torch.device("mps")) == 2**26
+    finally:
+        chunks._memory_of.cache_clear()
+
+
+def test_an_mps_device_without_a_recommended_memory_takes_the_default(monkeypatch):
+    """torch before 2.5 has no `torch.mps.recommended_max_memory`: `DEVICE_MEMORY`'s share."""
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.delattr(torch.mps, "recommended_max_memory", raising=False)
+    chunks._memory_of.cache_clear()
+    try:
+        assert chunks._memory_of(torch.device("mps")) is None
+        unknown = chunks.DEVICE_MEMORY // chunks.DEVICE_MEMORY_SHARE
+        assert chunks.chunk_entries(torch.device("mps")) == unknown
     finally:
         chunks._memory_of.cache_clear()

@@ -192,7 +192,8 @@ def test_families_in_one_pass_equal_each_family_alone(
     exclude_sink, query_chunk, spans, monkeypatch
 ):
     """Layer-like families (other weights, one walk) in one pass, vs the dense reference each;
-    one key without field (no message: left out) and one padded query row (no mass). The
+    one key without field (no message: left out), one padded query row (no mass) and one
+    padded in every sequence (no chunk there). The
     ratios are summarised span by span: every chunk in one span, or each chunk alone."""
     if spans == "one chunk each":
         monkeypatch.setattr(fd, "_SPAN_COPIES", chunks.CHUNK_ENTRIES)
@@ -201,6 +202,7 @@ def test_families_in_one_pass_equal_each_family_alone(
     field[1, 2] = 0.0
     pattern = pattern.clone()
     pattern[0, :, 3] = 0.0  # a masked query row of sequence 0
+    pattern[:, :, 1] = 0.0  # masked in every sequence: no chunk of its own, a gap in a span
     walk, g = walk_matrix(pattern), split_gates(pattern)
     weights = [(W_V, W_O), (2 * W_V.flip(0), W_O), (W_V, -W_O.roll(1, dims=2))]
     grams = torch.stack([fd.message_grams(field, v, o) for v, o in weights])

@@ -4,8 +4,10 @@ References: ``u^T F u`` and ``g^T K2 g`` evaluated directly in float64 on every 
 cost model's ranges against every set of cut points.
 """
 
+import gc
 import itertools
 import math
+import weakref
 from contextlib import nullcontext
 
 import pytest
@@ -142,3 +144,21 @@ def test_a_gpu_takes_fewer_larger_products():
     assert len(rows.ranges) < len(quartic.quartic_rows(K2, pair_gram).ranges)
     for got, want in zip(quartic.forms(g, rows, 8), direct_forms(g, K2, pair_gram), strict=True):
         assert_close(got, want, terms=12**4)
+
+
+def test_the_kept_buffers_go_with_their_rows():
+    """`forms` keeps its buffers on the `QuarticRows` for the next call; they hold no
+    reference back to the rows, so they are freed with them, without waiting for the cycle
+    collector."""
+    n_heads, n_pairs = 3, 6
+    rows = quartic.quartic_rows(torch.rand(2, n_heads, n_heads), torch.rand(2, n_pairs, n_pairs))
+    quartic.forms(torch.rand(n_heads, 10), rows, 4)
+    kept = weakref.ref(rows.buffers[0].products)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del rows
+        assert kept() is None
+    finally:
+        if enabled:
+            gc.enable()

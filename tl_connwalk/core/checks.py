@@ -1,7 +1,7 @@
 """Checks of the math core's inputs, one home for all: each raises a `ConnWalkError` that says
 what was wrong and how to fix it, or casts to the working precision (float32 or wider)."""
 
-import math
+import cmath
 from collections.abc import Sequence
 
 import torch
@@ -95,7 +95,7 @@ def all_finite(*tensors: Tensor) -> bool:
     >>> all_finite(torch.full((2,), 3e38)), all_finite(torch.tensor([1.0, float("nan")]))
     (True, False)
     """
-    if all(math.isfinite(t.sum().item()) for t in tensors):
+    if all(cmath.isfinite(t.sum().item()) for t in tensors):
         return True
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 

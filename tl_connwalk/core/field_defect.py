@@ -132,7 +132,7 @@ def message_norm_ratios(
 
     0 where ``x_j = 0``. Every ``(i, j)`` gets a value; weight by the walk to keep edges.
     Chunked over queries (``query_chunk`` rows, ``None``: as many as fit the chunk budget,
-    ``CHUNK_ENTRIES`` numbers on the CPU, ``DEVICE_CHUNK_ENTRIES`` on a GPU); the result does
+    ``CHUNK_ENTRIES`` numbers on the CPU, a share of its memory on a GPU); the result does
     not depend on the chunking. With ``walk``, each chunk stops at its last edge's key and
     leaves 0 beyond (the future of a causal walk): the same values on every edge, about half
     the work. ``grams``: the `message_grams` of ``field``, ``W_V``, ``W_O`` when already

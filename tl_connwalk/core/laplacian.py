@@ -145,7 +145,7 @@ def nearest_connection_operator_distance(
     generic ``T_ij`` with ``d_model <= H d_head``).
 
     Cost: one ``d_model x d_model`` SVD per edge, ``O(batch n^2 d_model^3)`` time; memory chunked to
-    ``CHUNK_ENTRIES`` numbers (``DEVICE_CHUNK_ENTRIES`` on a GPU). With ``max_edges`` set and a
+    ``CHUNK_ENTRIES`` numbers (on a GPU a share of its memory). With ``max_edges`` set and a
     batch element having more edges, a uniform sample of ``max_edges`` of them is used instead
     (``exact`` False; see `NearestOperatorDistance`).
 

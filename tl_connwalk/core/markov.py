@@ -382,7 +382,7 @@ def edge_pairing_residuals(
     normalised by ``||T_ji||_F`` instead (so it is 1), and where both are 0 it is 0. Loses half
     the working precision near 0 (a difference of nearly equal numbers). Chunked over queries
     (``query_chunk`` rows; ``None``: as many as fit the chunk budget, ``CHUNK_ENTRIES`` numbers
-    on the CPU, ``DEVICE_CHUNK_ENTRIES`` on a GPU), with
+    on the CPU, a share of its memory on a GPU), with
     the same result whatever the chunking.
 
     >>> K2 = head_gram(torch.randn(2, 8, 4), torch.randn(2, 4, 8))

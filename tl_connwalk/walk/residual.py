@@ -198,8 +198,8 @@ def laplacian_residual(
             renormalised over them; ``mass_covered`` reports the share they actually carry.
             ``None`` (default): every edge.
         query_chunk: query rows per chunk of the per-edge work (``None``: as many as fit
-            the chunk budget, ``CHUNK_ENTRIES`` numbers on the CPU and
-            ``DEVICE_CHUNK_ENTRIES`` on a GPU, `tl_connwalk.core.isometry`); the results do
+            the chunk budget, ``CHUNK_ENTRIES`` numbers on the CPU and on a GPU its memory
+            over ``DEVICE_MEMORY_SHARE``, `tl_connwalk.core.isometry`); the results do
             not depend on it.
         memo: the walk's `Memo` (`ConnectionWalk` passes its own): what another call on
             the same walk can reuse; ``None``: nothing is kept.

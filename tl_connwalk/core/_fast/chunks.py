@@ -53,9 +53,9 @@ DEVICE_WALK_CHUNKS = 2
 DEVICE_MEMORY_SHARE = 256
 
 
-#: The memory (bytes) of a device that does not tell its own, and of the GPU that
-#: `tl_connwalk.debug.device_budgets` sizes the work for unless told: 64 GiB, budgets of
-#: 2**28 numbers (1 GiB in float32).
+#: The memory (bytes) assumed for a device that does not tell its own (and for the CPU
+#: inside `tl_connwalk.debug.device_budgets` without ``memory``): 64 GiB, budgets of 2**28
+#: numbers (1 GiB in float32).
 DEVICE_MEMORY = 64 * 2**30
 
 
@@ -99,8 +99,9 @@ def _memory_of(device: torch.device) -> int | None:
     recommends for its work (``None`` for other devices, or without them)."""
     if device.type == "cuda" and torch.cuda.is_available():
         return int(torch.cuda.get_device_properties(device).total_memory)
-    if device.type == "mps" and torch.backends.mps.is_available():
-        return int(torch.mps.recommended_max_memory())
+    recommended = getattr(torch.mps, "recommended_max_memory", None)  # torch >= 2.5
+    if device.type == "mps" and recommended is not None and torch.backends.mps.is_available():
+        return int(recommended())
     return None
 
 

@@ -263,13 +263,13 @@ def forms(g: Tensor, rows: QuarticRows, step: int) -> tuple[Tensor, Tensor]:
     s4, s2 = g.new_empty(stack, rows.families, n_edges), g.new_empty(stack, rows.families, n_edges)
     first, second = rows.pairs
     size = min(step, n_edges)
-    buffers = _Buffers.kept(rows, g, size)
+    buffers = _Buffers.kept(rows, g, size)  # kept on rows, which they do not refer back to
     starts = list(range(0, n_edges, max(1, size)))
     if starts and on_device(g.device):
         starts[-1] = n_edges - size
     for start in starts:
         block = g[..., start : start + size]
-        views = buffers.at(block.shape[-1])
+        views = buffers.at(rows, block.shape[-1])
         # u_{ac} = g^a g^c for c >= a, in `head_pairs` order: every pair in one product
         torch.mul(block.index_select(1, first), block.index_select(1, second), out=views.u)
         torch.index_select(views.u, 1, rows.gathered, out=views.gathered)
@@ -286,7 +286,7 @@ class _Buffers:
 
     def __init__(self, rows: QuarticRows, g: Tensor, capacity: int) -> None:
         n_pairs = rows.n_heads * (rows.n_heads + 1) // 2
-        self.rows, self.capacity = rows, capacity
+        self.capacity = capacity
         self.pairs = g.new_empty(rows.stack * (n_pairs + rows.gathered.numel()) * capacity)
         self.products = g.new_empty(rows.stack * rows.outputs * rows.families * capacity)
         self.views: dict[int, _BlockViews] = {}
@@ -300,16 +300,17 @@ class _Buffers:
             pairs = buffers.pairs
             if buffers.capacity >= size and (pairs.dtype, pairs.device) == (g.dtype, g.device):
                 return buffers
-        rows.buffers[:] = [cls(rows, g, size)]
+        rows.buffers.clear()  # the old ones freed before the new ones are made
+        rows.buffers.append(cls(rows, g, size))
         return rows.buffers[0]
 
-    def at(self, size: int) -> "_BlockViews":
-        """The buffers viewed at blocks of ``size`` edges (made on first use)."""
+    def at(self, rows: QuarticRows, size: int) -> "_BlockViews":
+        """The buffers viewed at blocks of ``size`` edges of ``rows`` (made on first use)."""
         if size not in self.views:
             if len(self.views) > 1:  # keep the largest: every call's whole blocks
                 largest = max(self.views)
                 self.views = {largest: self.views[largest]}
-            self.views[size] = _BlockViews.of(self.rows, self.pairs, self.products, size)
+            self.views[size] = _BlockViews.of(rows, self.pairs, self.products, size)
         return self.views[size]
 
 
