@@ -91,7 +91,7 @@ def _norm_chunks(
     batch, n_heads, n_query, n_key = gates.shape
     per_query = batch * n_key * n_heads * (2 + families)
     chunks = edge_chunks(n_query, n_key, per_query, query_chunk, walk, gates.device)
-    return [(slice(rows.start, min(rows.stop, n_query)), keys) for rows, keys in chunks if keys]
+    return [(rows, keys) for rows, keys in chunks if keys]
 
 
 def _key_major(grams: Tensor) -> Tensor:

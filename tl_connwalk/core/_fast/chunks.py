@@ -140,7 +140,11 @@ def query_chunks(
     device: torch.device | None = None,
 ) -> list[slice]:
     """Slices of query rows: ``query_chunk`` rows each, or as many as fit the chunk budget of
-    ``device`` (`chunk_entries`: ``CHUNK_ENTRIES`` numbers on the CPU).
+    ``device`` (`chunk_entries`: ``CHUNK_ENTRIES`` numbers on the CPU); the last one ends at
+    ``n_query``.
+
+    >>> query_chunks(5, per_query=1, query_chunk=2)
+    [slice(0, 2, None), slice(2, 4, None), slice(4, 5, None)]
 
     Callers write each chunk's result into an output allocated before the loop: results kept
     as a list of small tensors between the large temporaries fragment the C heap, which then
@@ -148,7 +152,7 @@ def query_chunks(
     """
     budget = chunk_entries(device)
     step = max(1, budget // max(1, per_query)) if query_chunk is None else query_chunk
-    return [slice(start, start + step) for start in range(0, n_query, step)]
+    return [slice(start, min(start + step, n_query)) for start in range(0, n_query, step)]
 
 
 def edge_chunks(

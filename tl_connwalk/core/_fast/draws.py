@@ -284,7 +284,7 @@ def key_draws(
         gram = einsum(*(Y.view(n_keys, n_value, d_head),) * 2, "n k p, n k q -> k p q")
         for rows in chunks.query_chunks(d_model - n_keys, width, device=device):
             block = torch.randn(
-                (min(rows.stop, d_model - n_keys) - rows.start, n_value, d_head),
+                (rows.stop - rows.start, n_value, d_head),
                 dtype=dtype, device=device, generator=perp,
             )  # fmt: skip
             gram += einsum(block, block, "n k p, n k q -> k p q")
