@@ -7,7 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from tl_connwalk.adapters import adapter_for
-from tl_connwalk.attribution import baselines, layerwise, mixing, targets
+from tl_connwalk.attribution import baselines, knockout_estimate, layerwise, mixing, targets
 from tl_connwalk.attribution.connection import connection
 from tl_connwalk.attribution.frozen import FrozenNetwork, pattern_hooks
 from tl_connwalk.attribution.record import Attribution
@@ -15,7 +15,14 @@ from tl_connwalk.attribution.routes import route_table
 from tl_connwalk.errors import ConnWalkError
 
 Method = Literal[
-    "connection", "grad_x_input", "knockout", "rollout", "attention_norm", "alti", "value_zeroing"
+    "connection",
+    "knockout_estimate",
+    "grad_x_input",
+    "knockout",
+    "rollout",
+    "attention_norm",
+    "alti",
+    "value_zeroing",
 ]
 
 #: the baselines that roll out one token-mixing matrix per layer (`layerwise`, `mixing`)
@@ -136,6 +143,7 @@ def attribute(
     position: int | Tensor = -1,
     method: Method = "connection",
     attention_mask: Tensor | None = None,
+    exact: int | None = None,
 ) -> Attribution:
     """Split a target output over the source tokens that made it (spec §6).
 
@@ -210,7 +218,16 @@ def attribute(
     adapter_for(model)  # a supported model class, or a ConnWalkError naming them
     if method not in get_args(Method):
         raise ConnWalkError(f"unknown method {method!r}; choose one of {get_args(Method)}.")
+    if exact is not None and method != "knockout_estimate":
+        raise ConnWalkError(
+            f"exact= belongs to method='knockout_estimate' (sources knocked out for real beside "
+            f"its prediction); method={method!r} takes no exact=."
+        )
     tokens, mask = _tokens(model, input, attention_mask)
+    if method == "knockout_estimate":
+        if mask is not None:
+            position = _real_position(position, mask)
+        return _estimated(model, tokens, mask, target, position, exact)
     if mask is not None and method in LAYERWISE:
         raise ConnWalkError(
             f"method={method!r} does not take padded batches (attention_mask or texts of "
@@ -255,4 +272,43 @@ def attribute(
         _components=result.components,
         _edges=result.edges,
         _routes=functools.cache(lambda max_length: route_table(frozen, target_, max_length)),
+    )
+
+
+def _estimated(
+    model: nn.Module,
+    tokens: Tensor,
+    mask: Tensor | None,
+    target: targets.TargetSpec,
+    position: int | Tensor,
+    exact: int | None,
+) -> Attribution:
+    """``method="knockout_estimate"`` as an `Attribution` (spec §7)."""
+    n_exact = knockout_estimate.DEFAULT_EXACT if exact is None else exact
+    if isinstance(n_exact, bool) or not isinstance(n_exact, int) or n_exact < 0:
+        raise ConnWalkError(
+            f"exact must be an int >= 0 (sources per target knocked out for real), got {exact!r}."
+        )
+    est = knockout_estimate.estimate(model, tokens, mask, target, position, n_exact)
+
+    scores = est.first_order + est.remainder
+
+    def verify(k: int) -> tuple[Tensor, Tensor]:
+        chosen = knockout_estimate.largest(scores, est.measurable, k)
+        measured = knockout_estimate.knock_out(model, tokens, mask, est.target, est.clean, chosen)
+        return chosen, measured
+
+    return Attribution(
+        scores=scores,
+        bias=est.clean - scores.sum(-1),
+        target_value=est.clean,
+        tokens=tokens,
+        position=est.target.position,
+        targets=tuple(est.target.describe()),
+        method="knockout_estimate",
+        attention_mask=mask,
+        remainder=est.remainder,
+        exact=est.exact,
+        _edges=est.edges,
+        _knock_out=verify,
     )

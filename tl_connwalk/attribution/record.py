@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from tl_connwalk.attribution.routes import Route, RouteTable
@@ -37,6 +37,12 @@ class Attribution:
         method: the method that made the scores.
         attention_mask: ``[batch, source]`` 1 on real tokens, 0 on padding (``None``: no
             padding); padding's scores are 0.
+        remainder: ``method="knockout_estimate"``: ``[batch, source]`` what the scores hold
+            beyond the first-order edges (knockout measured minus predicted, on the sources
+            knocked out for real; 0 elsewhere), so that ``scores`` is the edges summed over
+            layers, heads and queries plus ``remainder``. ``None`` for other methods.
+        exact: ``method="knockout_estimate"``: ``[batch, source]`` the sources whose score is
+            knockout's own value (knocked out for real). ``None`` for other methods.
 
     Examples:
         >>> result = tl_connwalk.attribute(model, tokens)
@@ -53,11 +59,17 @@ class Attribution:
     targets: tuple[str, ...]
     method: str
     attention_mask: Int[Tensor, "batch source"] | None = None
+    remainder: Float[Tensor, "batch source"] | None = None
+    exact: Bool[Tensor, "batch source"] | None = None
     _components: Callable[[], tuple[list[str], Tensor]] | None = dataclasses.field(
         default=None, compare=False
     )
     _edges: Tensor | None = dataclasses.field(default=None, compare=False)
     _routes: Callable[[int], RouteTable] | None = dataclasses.field(default=None, compare=False)
+    _knock_out: Callable[[int], tuple[Tensor, Tensor]] | None = dataclasses.field(
+        default=None, compare=False
+    )
+    _verified: dict[str, Tensor] = dataclasses.field(default_factory=dict, compare=False)
 
     def __repr__(self) -> str:
         batch, n_pos = self.scores.shape
@@ -122,11 +134,18 @@ class Attribution:
         """
         return self._view(model, str_tokens, routes, top_edges).save(path)
 
-    def _only(self, what: str) -> None:
-        if self.method != "connection":
+    def _only(self, what: str, also: tuple[str, ...] = ()) -> None:
+        if self.method != "connection" and self.method not in also:
+            if self.method == "knockout_estimate":
+                raise ConnWalkError(
+                    f"{what} splits what each source sent through the frozen network "
+                    "(method='connection', spec §6); method='knockout_estimate' predicts what "
+                    "blocking would change and has edges(layer) and remainder instead."
+                )
+            allowed = " or ".join(repr(m) for m in ("connection", *also))
             raise ConnWalkError(
-                f"{what} is defined for method='connection' (the frozen network, spec §6); this "
-                f"attribution was made with method={self.method!r}."
+                f"{what} is defined for method={allowed} (spec §6, §7); this attribution was "
+                f"made with method={self.method!r}."
             )
 
     def by_component(self) -> Float[Tensor, "batch component source"]:
@@ -159,18 +178,27 @@ class Attribution:
         return self._components()
 
     def edges(self, layer: int) -> Float[Tensor, "batch head query key"]:
-        """``[batch, head, query, key]``: the share of the target each edge of ``layer`` carries.
+        """``[batch, head, query, key]``: what each edge of ``layer`` carries (connection), or
+        what blocking it would change (knockout_estimate).
 
-        ``e^{l,h}_ij = g_i . A^h_ij (v^h_j W_O^h)`` (spec §6) with ``g_i`` the frozen network's
-        gradient of the target at layer ``l``'s attention output and ``v^h_j`` the value
-        vector with its bias (grouped-query heads expanded). Summed over heads, queries and
-        keys it is the target minus what ``F`` gives with that layer's heads silenced.
+        ``method="connection"``: the share of the target each edge carries, ``e^{l,h}_ij = g_i .
+        A^h_ij (v^h_j W_O^h)`` (spec §6) with ``g_i`` the frozen network's gradient of the
+        target at layer ``l``'s attention output and ``v^h_j`` the value vector with its bias
+        (grouped-query heads expanded). Summed over heads, queries and keys it is the target
+        minus what ``F`` gives with that layer's heads silenced.
+
+        ``method="knockout_estimate"``: the predicted effect on the target of blocking key
+        ``j`` for query ``i`` in head ``h`` alone, ``y - y_blocked ~ - A^h_ij (m_ij - g_i .
+        v^h_j)`` (spec §7), with ``g_i`` the real network's gradient at ``hook_z`` and
+        ``m_ij`` the mean of ``g_i . v^h`` over the row's other keys, renormalised. Summed over
+        layers, heads and queries it is ``scores - remainder``. A query's own key is never
+        blocked (0).
 
         >>> result = tl_connwalk.attribute(model, tokens)
         >>> result.edges(0).shape
         torch.Size([2, 4, 8, 8])
         """
-        self._only("edges")
+        self._only("edges", also=("knockout_estimate",))
         assert self._edges is not None
         n_layers = self._edges.shape[0]
         if isinstance(layer, bool) or not isinstance(layer, int):
@@ -253,6 +281,50 @@ class Attribution:
         ``max_length`` reaches the longest route (``2 n_layers``; ``n_layers`` without MLPs).
         """
         return self._route_table(max_length).remainder
+
+    def verify(self, k: int = 5) -> Any:
+        """Knockout measured for real on each target's ``k`` largest predicted sources, beside
+        the prediction (``method="knockout_estimate"``), as a pandas DataFrame.
+
+        For each sequence ``b``, the ``k`` sources with the largest ``|scores[b, s]|`` among
+        those knockout can change (real tokens other than the target's position; in a causal
+        model, before it) are knocked out (`tl_connwalk.attribution.baselines.knockout`: key
+        ``s`` blocked for every other query, in every layer). One row per (sequence, source):
+        ``batch``, ``source``, ``token``, ``predicted`` (``scores``), ``knockout`` (measured),
+        ``error`` (``predicted - knockout``) and ``exact`` (whether the score was already
+        knockout's own value, `exact`). The attribution's view shows the measured values beside
+        the predictions once verified.
+
+        Cost: one forward pass per distinct sequence and source knocked out (``k`` per
+        sequence, fewer where targets on one sequence share sources).
+
+        >>> result = tl_connwalk.attribute(model, tokens, method="knockout_estimate")
+        >>> result.verify(2).columns.tolist()
+        ['batch', 'source', 'token', 'predicted', 'knockout', 'error', 'exact']
+        """
+        import pandas as pd
+
+        if self._knock_out is None:
+            raise ConnWalkError(
+                "verify measures knockout beside a prediction of it (method='knockout_estimate'); "
+                f"this attribution was made with method={self.method!r}."
+            )
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ConnWalkError(f"k must be an int >= 0 (sources per target), got {k!r}.")
+        chosen, measured = self._knock_out(k)
+        self._verified.update(sources=chosen, knockout=measured)
+        exact = self.exact if self.exact is not None else torch.zeros_like(chosen)
+        rows = []
+        for b, source in chosen.nonzero().tolist():
+            predicted = float(self.scores[b, source])
+            actual = float(measured[b, source])
+            token, was_exact = int(self.tokens[b, source]), bool(exact[b, source])
+            rows.append((b, source, token, predicted, actual, predicted - actual, was_exact))
+        frame = pd.DataFrame(
+            rows, columns=["batch", "source", "token", "predicted", "knockout", "error", "exact"]
+        )
+        order = frame["predicted"].abs().sort_values(ascending=False, kind="stable").index
+        return frame.loc[order].sort_values("batch", kind="stable").reset_index(drop=True)
 
     def to_dataframe(self) -> Any:
         """A pandas DataFrame, one row per (sequence, source): ``batch``, ``source``,

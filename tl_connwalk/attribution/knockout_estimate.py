@@ -1,0 +1,287 @@
+"""``method="knockout_estimate"``: knockout and edge blocking predicted from one backward pass
+(spec §7).
+
+One forward pass of the real model (nothing frozen) records every head's pattern ``A``, values
+``v`` and output ``z`` (``hook_z``), and one backward pass gives the target's gradient ``g`` at
+every ``hook_z``. `tl_connwalk.attribution.blocking.edge_effects` turns them into the predicted
+effect of blocking each edge, ``k^{l,h}_ij = - g_i . dz_ij`` with the exact, renormalised change
+``dz`` of the head's output; summed over layers, heads and queries, the predicted knockout of
+each source, ``k_j``.
+
+Beyond first order, the sources in ``exact`` (per sequence: a few positions, knocked out for
+real) get knockout's own value; what that adds to their first-order sum is the ``remainder``,
+kept beside the edges so that an edge keeps meaning "what blocking this edge would do".
+Knockout runs are made once per distinct sequence of the batch and read for every target on it.
+"""
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor, nn
+
+from tl_connwalk.attribution import baselines, blocking, targets
+from tl_connwalk.attribution.frozen import (
+    EMBEDDING_HOOKS,
+    HookFn,
+    config,
+    constant_weights,
+    mask_kwargs,
+    run_until,
+)
+from tl_connwalk.errors import ConnWalkError
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """What the method returns.
+
+    Attributes:
+        target: the resolved target.
+        clean: ``[batch]`` the target in the clean run.
+        edges: ``[layer, batch, head, query, key]`` the first-order effect of blocking each edge
+            (0 in layers after a target read inside the network).
+        first_order: ``[batch, source]`` the edges summed over layers, heads and queries.
+        remainder: ``[batch, source]`` knockout minus ``first_order`` where a source was knocked
+            out for real (``exact``), else 0.
+        exact: ``[batch, source]`` the sources knocked out for real.
+        measurable: ``[batch, source]`` the sources whose knockout can change the target.
+    """
+
+    target: targets.Target
+    clean: Float[Tensor, " batch"]
+    edges: Float[Tensor, "layer batch head query key"]
+    first_order: Float[Tensor, "batch source"]
+    remainder: Float[Tensor, "batch source"]
+    exact: Bool[Tensor, "batch source"]
+    measurable: Bool[Tensor, "batch source"]
+
+
+@dataclasses.dataclass
+class _Run:
+    """What the real forward pass recorded, per layer that ran."""
+
+    z: dict[int, Tensor] = dataclasses.field(default_factory=dict)
+    v: dict[int, Tensor] = dataclasses.field(default_factory=dict)
+    pattern: dict[int, Tensor] = dataclasses.field(default_factory=dict)
+    read: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+
+
+def _keep(into: dict[int, Tensor], layer: int, x: Tensor, hook: Any, detach: bool = True) -> None:
+    into[layer] = x.detach() if detach else x
+
+
+def _recording_hooks(model: nn.Module, run: _Run, read_hook: str) -> list[tuple[str, HookFn]]:
+    hooks: list[tuple[str, HookFn]] = [
+        (name, lambda x, hook: x.detach().requires_grad_(True)) for name in EMBEDDING_HOOKS
+    ]
+    for layer in range(int(config(model).n_layers)):
+        prefix = f"blocks.{layer}.attn."
+        hooks += [
+            (prefix + "hook_z", functools.partial(_keep, run.z, layer, detach=False)),
+            (prefix + "hook_v", functools.partial(_keep, run.v, layer)),
+            (prefix + "hook_pattern", functools.partial(_keep, run.pattern, layer)),
+        ]
+    hooks.append((read_hook, lambda x, hook: run.read.__setitem__("activation", x)))
+    return [(name, hook) for name, hook in hooks if name in model.hook_dict]  # type: ignore[operator]
+
+
+def _per_head(x: Tensor, n_heads: int, d_head: int) -> Float[Tensor, "batch pos head d_head"]:
+    """``hook_z``/``hook_v`` as ``[batch, pos, head, d_head]``, grouped-query values repeated to
+    one per query head (TransformerLens's ``kv(h) = h // (H / H_kv)``)."""
+    x = x.reshape(*x.shape[:2], -1, d_head)
+    return x.repeat_interleave(n_heads // x.shape[2], dim=2)
+
+
+def _first_order(
+    model: nn.Module,
+    tokens: Int[Tensor, "batch pos"],
+    attention_mask: Tensor | None,
+    target: targets.TargetSpec,
+    position: int | Tensor,
+) -> tuple[targets.Target, Tensor, Tensor]:
+    """The real forward and backward pass: the resolved target, its clean value and the edges."""
+    n_layers, n_heads = int(config(model).n_layers), int(config(model).n_heads)
+    stop_at = targets.hook_of(model, target)
+    run = _Run()
+    read_hook = stop_at or f"blocks.{n_layers - 1}.hook_resid_post"
+    hooks = _recording_hooks(model, run, read_hook)
+    with torch.enable_grad(), constant_weights(model):
+        logits = run_until(model, tokens, hooks, stop_at, **mask_kwargs(model, attention_mask))
+        if "activation" not in run.read:
+            raise ConnWalkError(
+                f"the hook point {read_hook!r} does not fire in {type(model).__name__}'s forward "
+                "pass (some hook points only run when a config option enables them)."
+            )
+        activation = run.read["activation"]
+        target_ = targets.resolve(
+            target, position, None if logits is None else logits.detach(), activation.detach()
+        )
+        y = targets.clean_value(target_, logits, activation)
+        layers = sorted(run.z)
+        if not all(layer in run.v and layer in run.pattern for layer in layers):
+            raise ConnWalkError(
+                f"{type(model).__name__} fires hook_z without hook_v or hook_pattern in some "
+                "layer; knockout_estimate reads all three (spec §7)."
+            )
+        grads = torch.autograd.grad(y.sum(), [run.z[layer] for layer in layers], allow_unused=True)
+    batch, n_pos = tokens.shape
+    edges = y.new_zeros(n_layers, batch, n_heads, n_pos, n_pos)
+    for layer, grad in zip(layers, grads, strict=True):
+        if grad is None:  # a layer the target does not read
+            continue
+        d_head = run.z[layer][0, 0].numel() // n_heads
+        edges[layer] = blocking.edge_effects(
+            run.pattern[layer],
+            _per_head(grad, n_heads, d_head),
+            _per_head(run.v[layer], n_heads, d_head),
+        )
+    return target_, y.detach(), edges
+
+
+def knock_out(
+    model: nn.Module,
+    tokens: Int[Tensor, "batch pos"],
+    attention_mask: Tensor | None,
+    target: targets.Target,
+    clean: Float[Tensor, " batch"],
+    sources: Bool[Tensor, "batch source"],
+) -> Float[Tensor, "batch source"]:
+    """Knockout (`baselines.knockout`) of the ``sources`` of each target, NaN elsewhere.
+
+    Runs are made per distinct sequence (tokens and padding), not per target: a sequence's runs
+    knock out the union of its targets' sources one at a time, and every target on the sequence
+    is read from each. Run ``r`` blocks the ``r``-th wanted source of every distinct sequence at
+    once (`baselines.block_keys` batches the runs).
+    """
+    key = tokens if attention_mask is None else torch.cat([tokens, attention_mask], -1)
+    distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
+    n_pos = tokens.shape[1]
+    wanted = torch.zeros(len(distinct), n_pos, dtype=torch.bool, device=tokens.device)
+    wanted.index_put_((inverse,), sources.to(tokens.device), accumulate=True)
+    out = torch.full(sources.shape, torch.nan, dtype=clean.dtype, device=clean.device)
+    n_runs = int(wanted.sum(-1).max())
+    if n_runs == 0:
+        return out
+    # the r-th wanted source of each sequence: wanted sources first, in order
+    order = wanted.long().argsort(dim=-1, descending=True, stable=True)[:, :n_runs]  # [seq, run]
+    real = torch.gather(wanted, 1, order)  # [seq, run]: whether run r blocks anything there
+    keys = torch.zeros(n_runs, len(distinct), n_pos, dtype=torch.bool, device=tokens.device)
+    keys.scatter_(2, order.T[..., None], real.T[..., None])
+    batch = len(tokens)
+
+    def read(logits: Tensor, activation: Tensor) -> Tensor:
+        # every target of the batch read off each row (those of the row's sequence kept below)
+        return torch.stack(
+            [
+                targets.clean_value(
+                    target,
+                    logits[row].expand(batch, *logits.shape[1:]),
+                    activation[row].expand(batch, *activation.shape[1:]),
+                )
+                for row in range(len(activation))
+            ]
+        )
+
+    values = baselines.block_keys(
+        model,
+        distinct[:, :n_pos],
+        keys,
+        read,
+        read_hook=targets.read_at(target, model),
+        attention_mask=None if attention_mask is None else distinct[:, n_pos:],
+    )  # [run, seq, batch]
+    rows = torch.arange(batch, device=tokens.device)
+    for r in range(n_runs):
+        source = order[inverse, r]  # [batch]: what run r blocked in each target's sequence
+        done = real[inverse, r] & sources[rows, source]
+        knocked = clean - values[r, inverse, rows].to(clean)
+        out[rows[done], source[done]] = knocked[done]
+    return out
+
+
+#: sources per target knocked out for real by default (`exact_sources`)
+DEFAULT_EXACT = 2
+
+
+def largest(
+    scores: Float[Tensor, "batch source"], measurable: Bool[Tensor, "batch source"], k: int
+) -> Bool[Tensor, "batch source"]:
+    """The ``k`` measurable sources of each target with the largest ``|scores|`` (fewer where
+    fewer are measurable)."""
+    k = min(k, scores.shape[1])
+    magnitude = scores.abs().masked_fill(~measurable, -1)
+    top = magnitude.topk(k, -1).indices
+    chosen = torch.zeros_like(measurable).scatter_(1, top, True)
+    return chosen & measurable
+
+
+def exact_sources(
+    measurable: Bool[Tensor, "batch source"], position: Int[Tensor, " batch"], n: int
+) -> Bool[Tensor, "batch source"]:
+    """The ``n`` sources of each target knocked out for real, where the first-order
+    prediction is poorest: its first measurable position (in a decoder the attention sink,
+    where ``A`` is near 1 and a block moves the most weight), then the measurable positions
+    nearest the target (in a decoder those just before it: blocking them compounds along the
+    target's own row in every layer), the earlier first on a tie."""
+    if n == 0:
+        return torch.zeros_like(measurable)
+    first = measurable.long().argmax(-1)
+    rows = torch.arange(len(first), device=first.device)
+    sink = torch.zeros_like(measurable)
+    sink[rows, first] = measurable[rows, first]
+    others = measurable & ~sink
+    source = torch.arange(measurable.shape[1], device=measurable.device)
+    distance = (source[None] - position.to(source.device)[:, None]).abs() * 2 + (
+        source > position[:, None]
+    )
+    distance = distance.masked_fill(~others, measurable.shape[1] * 4)
+    k = min(n - 1, measurable.shape[1])
+    nearest = torch.zeros_like(others).scatter_(
+        1, distance.topk(k, -1, largest=False).indices, True
+    )
+    return sink | (nearest & others)
+
+
+def estimate(
+    model: nn.Module,
+    tokens: Int[Tensor, "batch pos"],
+    attention_mask: Tensor | None,
+    target: targets.TargetSpec,
+    position: int | Tensor,
+    exact: int = DEFAULT_EXACT,
+) -> Estimate:
+    """The predicted knockout of every source and blocking of every edge (spec §7), with
+    ``exact`` sources per target knocked out for real (`exact_sources`; 0: first order alone).
+    """
+    target_, clean, edges = _first_order(model, tokens, attention_mask, target, position)
+    first_order = edges.sum((0, 2, 3))
+    if attention_mask is not None:
+        first_order = first_order * attention_mask.to(first_order)
+    measurable = _measurable(tokens, attention_mask, target_.position, _is_causal(model))
+    chosen = exact_sources(measurable, target_.position, exact)
+    remainder = torch.zeros_like(first_order)
+    if chosen.any():
+        knocked = knock_out(model, tokens, attention_mask, target_, clean, chosen)
+        remainder = torch.where(chosen, knocked - first_order, 0)
+    return Estimate(target_, clean, edges, first_order, remainder, chosen, measurable)
+
+
+def _is_causal(model: nn.Module) -> bool:
+    return getattr(config(model), "attention_dir", "causal") == "causal"
+
+
+def _measurable(
+    tokens: Tensor, attention_mask: Tensor | None, position: Tensor, causal: bool
+) -> Bool[Tensor, "batch source"]:
+    """The sources whose knockout can change the target: real tokens other than the target's
+    position, and in a causal model only those before it."""
+    n_pos = tokens.shape[1]
+    source = torch.arange(n_pos, device=tokens.device)[None]
+    at = position.to(tokens.device)[:, None]
+    ok = source < at if causal else source != at
+    if attention_mask is not None:
+        ok = ok & (attention_mask != 0)
+    return ok
