@@ -114,10 +114,11 @@ ARCHITECTURES: dict[str, tuple[dict, dict | None]] = {
 }
 
 
-def build(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
-    """A tiny random model of architecture ``name`` (see ARCHITECTURES), on the CPU."""
+def build(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **config: Any) -> Any:
+    """A tiny random model of architecture ``name`` (see ARCHITECTURES), on the CPU;
+    ``config``: further config fields (e.g. ``n_layers=1``)."""
     overrides, processing = ARCHITECTURES[name]
-    cfg = HookedTransformerConfig(**{**BASE, **overrides, "seed": seed, "device": "cpu"})
+    cfg = HookedTransformerConfig(**{**BASE, **overrides, **config, "seed": seed, "device": "cpu"})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         model = HookedTransformer(cfg)

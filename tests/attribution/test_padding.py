@@ -7,7 +7,7 @@ import tl_connwalk
 from tests.architectures import bridge_tokens, build, cached_bridge, hooked_only, tokens
 from tests.attribution.test_connection import assert_exact
 
-METHODS = ["connection", "grad_x_input", "knockout", "rollout"]
+METHODS = ["connection", "knockout_estimate", "grad_x_input", "knockout", "rollout"]
 
 
 def padded(

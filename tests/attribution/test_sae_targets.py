@@ -123,3 +123,17 @@ def test_sae_reading_another_width_is_refused(gpt2):
         tl_connwalk.ConnWalkError, match=r"reads 10 values per position, but .* holds \(24,\)"
     ):
         tl_connwalk.attribute(gpt2, tokens(), target=(sae, 0))
+
+
+@hooked_only
+def test_sae_feature_knockout_estimate_is_knockout_where_exact():
+    """Every source knocked out for real (``exact`` = all): knockout's own scores."""
+    model = build("gpt2_ln", dtype=torch.float64)
+    hook = "blocks.1.hook_resid_pre"
+    sae = random_sae("standard", model.cfg.d_model, hook, torch.float64)
+    toks = tokens()
+    target = dict(target=(sae, 5), position=-3)
+    knocked = tl_connwalk.attribute(model, toks, method="knockout", **target)
+    got = tl_connwalk.attribute(model, toks, method="knockout_estimate", exact=9, **target)
+    assert_exact(got.scores, knocked.scores, got)
+    assert (got.edges(1) == 0).all(), "a layer after the SAE's hook was read"

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from tl_connwalk.attribution import targets
 from tl_connwalk.attribution.frozen import FrozenNetwork, config, final_resid_hook, mask_kwargs
+from tl_connwalk.errors import ConnWalkError
 
 #: sources knocked out per forward pass
 KNOCKOUT_CHUNK = 16
@@ -119,10 +120,24 @@ def block_keys(
     return torch.cat(values)
 
 
+def check_blockable(model: nn.Module, pattern_after_z: bool) -> None:
+    """A ConnWalkError where a score set to ``-inf`` at ``hook_attn_scores`` cannot reach the
+    output: a model that computes attention in its own code and shows the scores and pattern
+    after the fact (a BERT ``TransformerBridge``)."""
+    if pattern_after_z:
+        raise ConnWalkError(
+            f"this {type(model).__name__} computes attention in Hugging Face's code and shows "
+            "hook_attn_scores after the fact, so a key cannot be blocked through its hooks: "
+            "knockout and knockout_estimate do not run on it. Use method='connection', or load "
+            "the model as a HookedEncoder."
+        )
+
+
 def knockout(
     frozen: FrozenNetwork, target: targets.Target, clean: Float[Tensor, " batch"]
 ) -> Float[Tensor, "batch source"]:
     """``y - y_s``: the target's drop when key ``s`` is blocked for every other query."""
+    check_blockable(frozen.model, frozen.pattern_after_z)
     batch, n_pos = frozen.tokens.shape
     one_each = torch.eye(n_pos, dtype=torch.bool, device=clean.device)[:, None].expand(
         n_pos, batch, n_pos

@@ -24,7 +24,6 @@ from torch import Tensor, nn
 
 from tl_connwalk.attribution import baselines, blocking, targets
 from tl_connwalk.attribution.frozen import (
-    EMBEDDING_HOOKS,
     HookFn,
     config,
     constant_weights,
@@ -64,25 +63,40 @@ class _Run:
     """What the real forward pass recorded, per layer that ran."""
 
     z: dict[int, Tensor] = dataclasses.field(default_factory=dict)
+    probe: dict[int, Tensor] = dataclasses.field(default_factory=dict)
     v: dict[int, Tensor] = dataclasses.field(default_factory=dict)
     pattern: dict[int, Tensor] = dataclasses.field(default_factory=dict)
     read: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    order: list[str] = dataclasses.field(default_factory=list)  # "{layer}.{kind}" as fired
 
 
-def _keep(into: dict[int, Tensor], layer: int, x: Tensor, hook: Any, detach: bool = True) -> None:
-    into[layer] = x.detach() if detach else x
+def _keep(
+    into: dict[int, Tensor], order: list[str], kind: str, layer: int, x: Tensor, hook: Any
+) -> None:
+    into[layer] = x.detach()
+    order.append(f"{layer}.{kind}")
+
+
+def _probe(run: "_Run", layer: int, x: Tensor, hook: Any) -> Tensor:
+    """``hook_z`` plus a zero leaf (``run.probe``): the target's gradient with respect to the
+    leaf is its gradient at ``hook_z``, on every model class (a Bridge hands the hook a view of
+    what it goes on with, and goes on with what the hook returns)."""
+    _keep(run.z, run.order, "z", layer, x, hook)
+    run.probe[layer] = torch.zeros_like(x, requires_grad=True)
+    return x + run.probe[layer]
 
 
 def _recording_hooks(model: nn.Module, run: _Run, read_hook: str) -> list[tuple[str, HookFn]]:
-    hooks: list[tuple[str, HookFn]] = [
-        (name, lambda x, hook: x.detach().requires_grad_(True)) for name in EMBEDDING_HOOKS
-    ]
+    hooks: list[tuple[str, HookFn]] = []
     for layer in range(int(config(model).n_layers)):
         prefix = f"blocks.{layer}.attn."
         hooks += [
-            (prefix + "hook_z", functools.partial(_keep, run.z, layer, detach=False)),
-            (prefix + "hook_v", functools.partial(_keep, run.v, layer)),
-            (prefix + "hook_pattern", functools.partial(_keep, run.pattern, layer)),
+            (prefix + "hook_z", functools.partial(_probe, run, layer)),
+            (prefix + "hook_v", functools.partial(_keep, run.v, run.order, "v", layer)),
+            (
+                prefix + "hook_pattern",
+                functools.partial(_keep, run.pattern, run.order, "pattern", layer),
+            ),
         ]
     hooks.append((read_hook, lambda x, hook: run.read.__setitem__("activation", x)))
     return [(name, hook) for name, hook in hooks if name in model.hook_dict]  # type: ignore[operator]
@@ -121,12 +135,17 @@ def _first_order(
         )
         y = targets.clean_value(target_, logits, activation)
         layers = sorted(run.z)
+        z_0, pattern_0 = "0.z", "0.pattern"
+        if z_0 in run.order and pattern_0 in run.order:
+            baselines.check_blockable(model, run.order.index(pattern_0) > run.order.index(z_0))
         if not all(layer in run.v and layer in run.pattern for layer in layers):
             raise ConnWalkError(
                 f"{type(model).__name__} fires hook_z without hook_v or hook_pattern in some "
                 "layer; knockout_estimate reads all three (spec §7)."
             )
-        grads = torch.autograd.grad(y.sum(), [run.z[layer] for layer in layers], allow_unused=True)
+        grads = torch.autograd.grad(
+            y.sum(), [run.probe[layer] for layer in layers], allow_unused=True
+        )
     batch, n_pos = tokens.shape
     edges = y.new_zeros(n_layers, batch, n_heads, n_pos, n_pos)
     for layer, grad in zip(layers, grads, strict=True):
