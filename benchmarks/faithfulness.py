@@ -166,11 +166,13 @@ def batch_of(group: list[Target]) -> tuple[Tensor, Tensor, Tensor]:
     return tokens, position, token
 
 
-def run_ours(model: nn.Module, group: list[Target], problems: dict[str, str]) -> None:
+def run_ours(
+    model: nn.Module, group: list[Target], problems: dict[str, str], methods: tuple[str, ...]
+) -> None:
     """Every `attribute` method on the group; a method the model's architecture does not
     admit (a ConnWalkError) is recorded in ``problems`` with its reason."""
     tokens, position, token = batch_of(group)
-    for method in OURS:
+    for method in methods:
         if method in problems:
             continue
         try:
@@ -326,6 +328,70 @@ class LXT:
             t.scores["lxt_attnlrp"] = scores[b].detach().double()
             t.seconds["lxt_attnlrp"] = seconds / len(group)
             t.notes["lxt_attnlrp_value_diff"] = float(value[b]) - t.value
+
+
+# ----------------------------------------------------------------------------- edges
+
+#: the edge check: layers (first, middle, last), largest and random edges per layer
+EDGE_LARGEST = 50
+EDGE_RANDOM = 50
+
+
+def edge_check(model: nn.Module, name: str, domain: str, w: int, t: Target) -> list[dict[str, Any]]:
+    """``knockout_estimate``'s edges against really blocking each edge alone: in three layers,
+    the `EDGE_LARGEST` largest predicted edges (layer, head, query, key; ``key < query <=
+    position``) and `EDGE_RANDOM` random others, each blocked in its own run (its score at
+    ``hook_attn_scores`` set to ``-inf``); the Spearman correlation per layer."""
+    tokens = t.tokens[None]
+    result = tl_connwalk.attribute(
+        model, tokens, target=t.token, position=t.position, method="knockout_estimate", exact=0
+    )
+    n_layers = int(model.cfg.n_layers)
+    rows = []
+    generator = torch.Generator().manual_seed(w)
+    for layer in sorted({0, n_layers // 2, n_layers - 1}):
+        edges = result.edges(layer)[0]  # [head, query, key]
+        n = edges.shape[-1]
+        query, key = torch.tril_indices(n, n, -1)
+        keep = query <= t.position
+        query, key = query[keep], key[keep]
+        heads = torch.arange(edges.shape[0]).repeat_interleave(len(query))
+        query, key = query.repeat(edges.shape[0]), key.repeat(edges.shape[0])
+        predicted = edges[heads, query, key]
+        order = predicted.abs().argsort(descending=True)
+        largest = order[:EDGE_LARGEST]
+        rest = order[EDGE_LARGEST:]
+        chosen = torch.cat(
+            [largest, rest[torch.randperm(len(rest), generator=generator)[:EDGE_RANDOM]]]
+        )
+        actual = []
+        for start in range(0, len(chosen), baselines.KNOCKOUT_CHUNK):
+            part = chosen[start : start + baselines.KNOCKOUT_CHUNK]
+            where = (torch.arange(len(part)), heads[part], query[part], key[part])
+
+            def block(scores: Tensor, hook: Any, where: tuple[Tensor, ...] = where) -> Tensor:
+                scores = scores.clone()
+                scores[where] = float("-inf")
+                return scores
+
+            with torch.no_grad():
+                logits = model.run_with_hooks(  # type: ignore[operator]
+                    tokens.expand(len(part), -1),
+                    fwd_hooks=[(f"blocks.{layer}.attn.hook_attn_scores", block)],
+                )
+            actual.append(result.target_value[0] - logits[:, t.position, t.token])
+        measured = torch.cat(actual).double()
+        rows.append(
+            {
+                "model": name,
+                "domain": domain,
+                "window": w,
+                "layer": layer,
+                "edges": len(chosen),
+                "spearman": spearman(predicted[chosen].double(), measured),
+            }
+        )
+    return rows
 
 
 # ----------------------------------------------------------------------------- curves
@@ -489,7 +555,7 @@ def peers_available() -> dict[str, str]:
 
 def run_model(
     name: str, args: argparse.Namespace, peers: dict[str, str], log: Callable[[str], None]
-) -> tuple[list[Target], list[dict[str, Any]], dict[str, str]]:
+) -> tuple[list[Target], list[dict[str, Any]], dict[str, str], list[dict[str, Any]]]:
     model = tl_connwalk.zoo.load(name, progress=False)
     problems: dict[str, str] = {}
     lxt = None
@@ -503,13 +569,14 @@ def run_model(
             )
     all_targets: list[Target] = []
     ladder_rows: list[dict[str, Any]] = []
+    edge_rows: list[dict[str, Any]] = []
     for domain, text in texts().items():
         for w, ids in enumerate(windows(model, text, args.tokens, args.windows)):
             if args.pick is not None and w not in args.pick:
                 continue
             group = targets_of(model, name, domain, w, ids)
             base = baseline_seconds(model, group[0].tokens)
-            run_ours(model, group, problems)
+            run_ours(model, group, problems, args.methods)
             run_knockout(model, group)
             if "captum" in peers:
                 run_captum(model, group)
@@ -522,9 +589,11 @@ def run_model(
                     run_curves(model, t, seed=1000 * w + i)
             if not is_encoder(model) and w < args.ladder:
                 ladder_rows += ladder(model, group)
+            if not is_encoder(model) and w < args.edge_check:
+                edge_rows.extend(edge_check(model, name, domain, w, group[-1]))
             all_targets += group
             log(f"{name} {domain} window {w}: {len(group)} targets")
-    return all_targets, ladder_rows, problems
+    return all_targets, ladder_rows, problems, edge_rows
 
 
 def rows_of(targets: list[Target]) -> Iterator[dict[str, Any]]:
@@ -607,6 +676,27 @@ def summary(rows: list[dict[str, Any]], problems: dict[str, dict[str, str]]) -> 
         notes += [f"{m}: largest |y - y_TransformerLens| {d:.2g}" for m, d in diffs.items()]
         lines += ["", "; ".join(notes) + "." if notes else "", ""]
     return "\n".join(lines)
+
+
+def edge_table(rows: list[dict[str, Any]]) -> str:
+    """The edge check: Spearman of each layer's predicted edges with single edges blocked."""
+    if not rows:
+        return ""
+    lines = [
+        "**Edges** (`knockout_estimate`'s `edges(layer)` against blocking that one edge: "
+        f"{EDGE_LARGEST} largest predicted and {EDGE_RANDOM} random edges per layer, each "
+        "window's last target)",
+        "",
+        "| model | layer | Spearman with the edge blocked | windows |",
+        "| --- | --- | --- | --- |",
+    ]
+    for model in dict.fromkeys(row["model"] for row in rows):
+        for layer in dict.fromkeys(row["layer"] for row in rows if row["model"] == model):
+            these = [r for r in rows if r["model"] == model and r["layer"] == layer]
+            windows = [(r["domain"], r["window"]) for r in these]
+            stats = bootstrap([r["spearman"] for r in these], windows)
+            lines.append(f"| {model} | {layer} | {fmt(stats)} | {len(these)} |")
+    return "\n".join(lines) + "\n"
 
 
 def ladder_table(rows: list[dict[str, Any]]) -> str:
@@ -697,6 +787,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--merge", type=Path, nargs="+", help="write the tables of these runs' --out folders"
     )
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        choices=[*OURS, "captum_ig", "lxt_attnlrp"],
+        help="score only these methods (default: every method and installed peer)",
+    )
+    parser.add_argument(
+        "--edge-check", type=int, default=0, help="decoder windows in the edge check"
+    )
     args = parser.parse_args(argv)
     if args.pick is not None and not all(0 <= w < args.windows for w in args.pick):
         parser.error(f"--pick: windows are 0 to {args.windows - 1} of --windows {args.windows}")
@@ -709,6 +808,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     peers = peers_available()
+    if args.methods is not None:
+        named = {"captum": "captum_ig", "lxt": "lxt_attnlrp"}
+        peers = {k: v for k, v in peers.items() if named.get(k, "") in args.methods}
+    args.methods = tuple(m for m in OURS if args.methods is None or m in args.methods)
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
 
@@ -717,6 +820,7 @@ def main(argv: list[str] | None = None) -> None:
 
     rows: list[dict[str, Any]] = []
     ladder_rows: list[dict[str, Any]] = []
+    edge_rows: list[dict[str, Any]] = []
     problems: dict[str, dict[str, str]] = {}
     versions = {
         "tl_connwalk": getattr(tl_connwalk, "__version__", "checkout"),
@@ -726,10 +830,16 @@ def main(argv: list[str] | None = None) -> None:
         **peers,
     }
     for name in args.models:  # the files are rewritten after each model
-        targets, ladders, problems[name] = run_model(name, args, peers, log)
+        targets, ladders, problems[name], edges = run_model(name, args, peers, log)
         rows += rows_of(targets)
         ladder_rows += ladders
+        edge_rows += edges
         write_tables(args.out, rows, ladder_rows, problems)
+        if edge_rows:
+            with (args.out / "edges.csv").open("w", newline="") as handle:
+                writer = csv.DictWriter(handle, fieldnames=list(edge_rows[0]))
+                writer.writeheader()
+                writer.writerows(edge_rows)
         header = [
             f"`{' '.join(['python', 'benchmarks/faithfulness.py', *(argv or sys.argv[1:])])}`, "
             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
@@ -743,6 +853,7 @@ def main(argv: list[str] | None = None) -> None:
             "",
         ]
         text = "\n".join(header) + summary(rows, problems) + "\n" + ladder_table(ladder_rows)
+        text += "\n\n" + edge_table(edge_rows)
         (args.out / "faithfulness.md").write_text(text + "\n")
     print(text)
 
