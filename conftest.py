@@ -23,17 +23,6 @@ from tl_connwalk.toy import random_bridge
 PACKAGE = Path(__file__).parent / "tl_connwalk"
 HOOKED_POINTS = PACKAGE / "hooks" / "hooked_transformer.py"
 
-#: Old import paths kept for one release: importing one warns (an error here), so they are not
-#: collected for doctests; ``tests/test_moved_modules.py`` and ``tests/core/test_moved_modules.py``
-#: test them.
-collect_ignore = [
-    "tl_connwalk/residual.py",
-    "tl_connwalk/bridge_hooks.py",
-    "tl_connwalk/core/quartic.py",
-    "tl_connwalk/core/draws.py",
-    "tl_connwalk/core/head_grams.py",
-]
-
 
 @functools.cache
 def _example_model() -> Any:

@@ -1,10 +1,15 @@
 import re
+from pathlib import Path
 
 import pytest
 
 from tests.architectures import HAS_HOOKED, bridge_only
 from tests.zoo.helpers import save_tiny
 from tl_connwalk.cli import main
+from tl_connwalk.report.inputs import toy_names
+from tl_connwalk.zoo import available
+
+PERFORMANCE = Path(__file__).parents[1] / "docs" / "performance.md"
 
 
 def test_demo_checks_the_identity(capsys):
@@ -23,6 +28,19 @@ def test_report_help_lists_every_option(capsys):
                "--dtype", "--layers", "--baseline-draws", "--overwrite"]  # fmt: skip
     for option in options:
         assert option in out
+
+
+def test_report_help_names_every_kind_of_model_and_where_the_cost_is_measured(capsys):
+    with pytest.raises(SystemExit):
+        main(["report", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines to the terminal
+    for name in [*available(), *toy_names()]:
+        assert name in text
+    assert "local Hugging Face directory" in text
+    assert "HookedTransformer.from_pretrained" in text
+    assert 'Performance page (docs/performance.md, "The report")' in text
+    assert "\n### The report\n" in PERFORMANCE.read_text(encoding="utf-8")
+    assert not re.search(r"\d s\b|\bmin\b", text), "the time is stated on the Performance page"
 
 
 @bridge_only

