@@ -447,7 +447,7 @@ def test_sweep_two_argument_metric(model):
     [
         ({"positions": [8]}, "last position"),
         ({"positions": slice(5, None)}, "last position"),
-        ({"positions": [9]}, "positions must be ints"),
+        ({"positions": [9]}, "position 9 is out of range: each sequence has 9 positions"),
         ({"positions": slice(3, 3)}, "selects none"),
         ({"metric": lambda logits: logits.mean(-1)}, "one number"),
         ({"metric": lambda: 0.0}, "no positional argument"),
