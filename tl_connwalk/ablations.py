@@ -16,7 +16,8 @@ head ``h`` sends from key ``j``) or ``hook_conn_gates`` (spec §1.2):
 
 Every factory takes the model first, then the layer: ``factory(model, layer, ...)``. The four
 transport patches take ``head=`` (an int, a list of heads each patched alike, or None for all);
-`uniform_gates` takes ``heads=``, the group whose gates are shared.
+`uniform_gates` takes ``heads=``, the group whose gates are shared. Layers and heads count from
+the end when negative, as in Python (`tl_connwalk.core.checks.checked_index`).
 
 The transport patches are exact maps on the messages, ``m'^h_j = m^h_j R^h``, equivalent to
 output weights ``W_O^h R^h`` with ``W_V^h`` and ``b_V^h`` kept (so ``b_V^h`` goes through the
@@ -464,7 +465,7 @@ def _count_passes(runs: Sequence[tuple[int, int | str, Ablation]]) -> int:
 
 def ablation_sweep(
     model: Any,
-    tokens: Int[Tensor, "batch pos"] | str | list[str],
+    tokens: Int[Tensor, "batch pos"] | Int[Tensor, " pos"] | str | list[str],
     ablations: Iterable[Ablation] = ABLATIONS,
     layers: Iterable[int] | None = None,
     heads: Iterable[int | Literal["all"]] | None = None,

@@ -145,6 +145,9 @@ def geometry_table(
     same ``exclude_sink``, ``edges`` and ``heads``) reuses residuals already computed instead
     of measuring again.
 
+    ``layers``: the layers measured, in that order (default every layer; negative counts from
+    the end).
+
     ``attention_mask`` ``[batch, pos]`` marks the padding of a padded batch (else it is read
     off the cache, `tl_connwalk.cache.connection_walk`): each sequence counts as if it ran
     alone. ``edges`` (an edge mask, see `tl_connwalk.walk.residual.laplacian_residual`) and
