@@ -447,7 +447,7 @@ def test_sweep_two_argument_metric(model):
     [
         ({"positions": [8]}, "last position"),
         ({"positions": slice(5, None)}, "last position"),
-        ({"positions": [9]}, "positions must be ints"),
+        ({"positions": [9]}, "position 9 is out of range: each sequence has 9 positions"),
         ({"positions": slice(3, 3)}, "selects none"),
         ({"metric": lambda logits: logits.mean(-1)}, "one number"),
         ({"metric": lambda: 0.0}, "no positional argument"),
@@ -460,9 +460,40 @@ def test_sweep_refuses_bad_metric_or_positions(model, options, match):
         )
 
 
-def test_sweep_refuses_unbatched_tokens(model):
-    with pytest.raises((ConnWalkError, TypeCheckError), match="batch"):
-        ablations.ablation_sweep(model, tokens()[0], ("zero",), [LAYER], progress=False)
+def test_sweep_takes_one_sequence_as_a_batch_of_one(model):
+    one = ablations.ablation_sweep(model, tokens()[0], ("zero",), [LAYER], ["all"], False)
+    batch = ablations.ablation_sweep(model, tokens()[:1], ("zero",), [LAYER], ["all"], False)
+    pd.testing.assert_frame_equal(one, batch)
+    with pytest.raises((ConnWalkError, TypeCheckError), match=r"\[batch, pos\]|batch pos"):
+        ablations.ablation_sweep(model, tokens()[None], ("zero",), [LAYER], progress=False)
+
+
+def test_negative_layers_and_heads_count_from_the_end(model):
+    """Every factory and the sweep read layer -1 and head -1 as the last ones, as Python does."""
+    last_head = model.cfg.n_heads - 1
+    toks = tokens()
+    for factory in (
+        ablations.zero_transport,
+        ablations.mean_transport,
+        ablations.isometric_transport,
+        ablations.scalar_transport,
+    ):
+        negative, positive = factory(model, -1, head=-1), factory(model, LAYER, head=last_head)
+        assert [name for name, _ in negative] == [name for name, _ in positive]
+        assert torch.equal(
+            model.run_with_hooks(toks, fwd_hooks=negative),
+            model.run_with_hooks(toks, fwd_hooks=positive),
+        )
+    gates = ablations.uniform_gates(model, -1, heads=[0, -1])
+    assert torch.equal(
+        model.run_with_hooks(toks, fwd_hooks=gates),
+        model.run_with_hooks(
+            toks, fwd_hooks=ablations.uniform_gates(model, LAYER, heads=[0, last_head])
+        ),
+    )
+    assert ablations.message_patch(model, -1, lambda m: m)[0][0] == hook_name(LAYER, "messages")
+    table = ablations.ablation_sweep(model, toks, ("zero",), [-1], [-1], progress=False)
+    assert list(zip(table["layer"], table["head"], strict=True)) == [(LAYER, last_head)]
 
 
 @pytest.mark.parametrize(

@@ -3,11 +3,13 @@
 import itertools
 import math
 
+import pandas as pd
 import pytest
 import torch
 
 import tl_connwalk
 from tests.architectures import tokens
+from tests.tolerances import cancelling_atol, rtol
 from tl_connwalk import analysis
 from tl_connwalk.toy import random_bridge
 
@@ -48,6 +50,15 @@ def test_geometry_table_is_tidy():
     row = table[(table["layer"] == 1) & (table["head"] == "all")].iloc[0]
     assert row["transport_defect"] == layer_1.transport_defect.mean().item()
     assert row["pairing"] != row["pairing"]  # NaN: causal walks have no pairing
+    # layer -1 is the last; measured alone, its numbers equal those measured with layer 0 up to
+    # rounding (the table stacks the layers' work), and defects near 0 keep half the digits
+    last = tl_connwalk.geometry_table(cache, [-1], baseline_draws=2, progress=False)
+    pd.testing.assert_frame_equal(
+        last,
+        table[table["layer"] == 1].reset_index(drop=True),
+        rtol=rtol(torch.float32),
+        atol=cancelling_atol(torch.float32),
+    )
 
 
 @pytest.mark.parametrize("scoped", [False, True])

@@ -45,6 +45,29 @@ def test_import_changes_nothing():
     assert not hasattr(ActivationCache, "connection_walk")
 
 
+def test_a_cache_method_before_attach_says_to_attach(gpt2):
+    """An AttributeError as before (hasattr and getattr with a default work), and a
+    ConnWalkError saying what to do; other names fail exactly as without tl_connwalk."""
+    _, cache = gpt2.run_with_cache(tokens())
+    assert not hasattr(cache, "connection_walk")
+    assert getattr(cache, "walk_matrix", None) is None
+    with pytest.raises(
+        tl_connwalk.ConnWalkError, match=r"call tl_connwalk\.attach\(model\) first"
+    ) as caught:
+        cache.connection_walk(0)
+    assert isinstance(caught.value, AttributeError)
+    with pytest.raises(
+        AttributeError, match="^'ActivationCache' object has no attribute 'no_such_name'$"
+    ) as other:
+        _ = cache.no_such_name
+    assert not isinstance(other.value, tl_connwalk.ConnWalkError)
+    tl_connwalk.attach(gpt2)
+    try:
+        assert cache.connection_walk(0).layer == 0  # the same cache, once attached
+    finally:
+        tl_connwalk.detach(gpt2)
+
+
 def test_cache_method_and_free_function_agree(attached):
     _, cache = attached.run_with_cache(tokens())
     assert_close(cache.connection_walk(1).apply(), tl_connwalk.connection_walk(cache, 1).apply())

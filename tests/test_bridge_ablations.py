@@ -9,6 +9,7 @@ projection re-run by hand with the patched output weights ``W_O^h R^h``
 
 import functools
 
+import pandas as pd
 import pytest
 import torch
 from einops import einsum
@@ -152,6 +153,19 @@ def test_ablation_sweep_metric_and_positions_on_a_bridge():
     expected = -log_probs.gather(-1, toks[:, [p + 1 for p in positions], None]).mean().item()
     assert table.loss_ablated.item() == pytest.approx(expected, rel=rtol(torch.float32, 4096))
     assert table.loss_tl_zero.item() == pytest.approx(expected, rel=rtol(torch.float32, 4096))
+
+
+def test_ablation_sweep_takes_text():
+    """Text is tokenised with the model, as tl_connwalk.attribute does; texts of different
+    lengths, which would need padding, are refused (the sweep runs without a mask)."""
+    model = random_bridge("gpt2")
+    text = "t1 t2 t3 t4 t5 t6"
+    options = dict(ablations=("zero",), layers=[LAYER], heads=[0, "all"], progress=False)
+    from_text = ablations.ablation_sweep(model, [text, text], **options)
+    from_tokens = ablations.ablation_sweep(model, model.to_tokens([text, text]), **options)
+    pd.testing.assert_frame_equal(from_text, from_tokens)
+    with pytest.raises(ConnWalkError, match="different lengths"):
+        ablations.ablation_sweep(model, [text, "t1 t2"], **options)
 
 
 @pytest.mark.parametrize("bridge", [b for b in BRIDGES if b[0] == "bert"], indirect=True)

@@ -16,7 +16,8 @@ head ``h`` sends from key ``j``) or ``hook_conn_gates`` (spec §1.2):
 
 Every factory takes the model first, then the layer: ``factory(model, layer, ...)``. The four
 transport patches take ``head=`` (an int, a list of heads each patched alike, or None for all);
-`uniform_gates` takes ``heads=``, the group whose gates are shared.
+`uniform_gates` takes ``heads=``, the group whose gates are shared. Layers and heads count from
+the end when negative, as in Python (`tl_connwalk.core.checks.checked_index`).
 
 The transport patches are exact maps on the messages, ``m'^h_j = m^h_j R^h``, equivalent to
 output weights ``W_O^h R^h`` with ``W_V^h`` and ``b_V^h`` kept (so ``b_V^h`` goes through the
@@ -33,6 +34,7 @@ expanded here); a BERT Bridge refuses edits with `ConnWalkError` (see `tl_connwa
 """
 
 import inspect
+import numbers
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -45,7 +47,10 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformer_lens.hook_points import HookPoint
 
+from tl_connwalk.adapters import adapter_for, resolve_layer, resolve_layers
 from tl_connwalk.adapters.weights import expand_kv_heads
+from tl_connwalk.attribution.api import _tokens as tokens_of
+from tl_connwalk.core.checks import check_flag, check_token_ids, checked_index
 from tl_connwalk.core.transport_patches import (
     apply_message_map,
     isometric_message_map,
@@ -68,27 +73,32 @@ def _n_layers_heads(model: Any) -> tuple[int, int]:
     return int(model.cfg.n_layers), int(model.cfg.n_heads)
 
 
-def _check_layer(model: Any, layer: int, point: Literal["walk", "gates", "messages"]) -> str:
-    n_layers, _ = _n_layers_heads(model)
-    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
-        raise ConnWalkError(f"layer must be an int in [0, {n_layers}), got {layer!r}")
+def _check_layer(
+    model: Any, layer: object, point: Literal["walk", "gates", "messages"]
+) -> tuple[int, str]:
+    """``layer`` as a non-negative index (negative counts from the end) and the name of its
+    ``point``, once ``model`` is a supported model with the conn hook points (`attach`)."""
+    layer = resolve_layer(adapter_for(model), model, layer)
     name = hook_name(layer, point)
     if name not in model.hook_dict:
         raise ConnWalkError(
             f"{name} is not a hook point of this model: call tl_connwalk.attach(model) first"
         )
-    return name
+    return layer, name
 
 
-def _head_index(n_heads: int, head: Heads, layer: int | None = None) -> list[int]:
+def _head_index(n_heads: int, head: object, layer: int | None = None) -> list[int]:
+    """``head`` (an int, a sequence of them, or None: every head) as non-negative indices,
+    negative counting from the end."""
     if head is None:
         return list(range(n_heads))
-    heads = [head] if isinstance(head, int) else list(head)
-    for h in heads:
-        if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < n_heads:
-            where = "" if layer is None else f"layer {layer}: "
-            raise ConnWalkError(f"{where}head must be in [0, {n_heads}) or None, got {head!r}")
-    return heads
+    if isinstance(head, (str, bytes, Tensor)) or not isinstance(head, (numbers.Integral, Iterable)):
+        raise ConnWalkError(
+            f"head must be an int, a list of ints or None (every head), got {head!r}"
+        )
+    heads = list(head) if isinstance(head, Iterable) else [head]
+    owner = "this layer" if layer is None else f"layer {layer}"
+    return [checked_index(h, n_heads, "head", owner, "heads") for h in heads]
 
 
 def _select(messages: Tensor, heads: list[int]) -> Tensor:
@@ -104,7 +114,7 @@ def zero_transport(model: Any, layer: int, head: Heads = None) -> list[Hook]:
 
     >>> logits = model.run_with_hooks(tokens, fwd_hooks=zero_transport(model, 0, head=1))
     """
-    name = _check_layer(model, layer, "messages")
+    layer, name = _check_layer(model, layer, "messages")
     heads = _head_index(_n_layers_heads(model)[1], head, layer)
 
     def hook(messages: Float[Tensor, "batch key head d_model"], hook: HookPoint) -> Tensor:
@@ -123,9 +133,9 @@ def mean_transport(
 
     >>> logits = model.run_with_hooks(tokens, fwd_hooks=mean_transport(model, 0))
     """
-    name = _check_layer(model, layer, "messages")
+    layer, name = _check_layer(model, layer, "messages")
     heads = _head_index(_n_layers_heads(model)[1], head, layer)
-    dims = (1,) if per_sequence else (0, 1)
+    dims = (1,) if check_flag(per_sequence, "per_sequence") else (0, 1)
 
     def hook(messages: Float[Tensor, "batch key head d_model"], hook: HookPoint) -> Tensor:
         index = _select(messages, heads)
@@ -138,7 +148,7 @@ def mean_transport(
 def _transport_patch(
     model: Any, layer: int, head: Heads, make_map: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 ) -> list[Hook]:
-    name = _check_layer(model, layer, "messages")
+    layer, name = _check_layer(model, layer, "messages")
     attn = model.blocks[layer].attn
     heads = _head_index(_n_layers_heads(model)[1], head, layer)
     with torch.no_grad():
@@ -196,7 +206,7 @@ def uniform_gates(model: Any, layer: int, heads: Heads = None) -> list[Hook]:
     >>> logits = model.run_with_hooks(tokens, fwd_hooks=uniform_gates(model, 0))
     >>> logits = model.run_with_hooks(tokens, fwd_hooks=uniform_gates(model, 0, heads=[0, 2]))
     """
-    name = _check_layer(model, layer, "gates")
+    layer, name = _check_layer(model, layer, "gates")
     chosen = _head_index(_n_layers_heads(model)[1], heads, layer)
     if heads is not None and len(set(chosen)) < 2:
         raise ConnWalkError(
@@ -238,12 +248,12 @@ def message_patch(model: Any, layer: int | MessageFn, fn: MessageFn | None = Non
         )
         name, patch = hook_name(model, "messages"), layer
     else:
-        if not isinstance(layer, int) or not callable(fn):
+        if not callable(fn):
             raise ConnWalkError(
                 "message_patch takes (model, layer, fn): an attached model, a layer index and a "
                 f"callable on the messages; got layer={layer!r}, fn={fn!r}"
             )
-        name, patch = _check_layer(model, layer, "messages"), fn
+        (_, name), patch = _check_layer(model, layer, "messages"), fn
 
     def hook(messages: Float[Tensor, "batch key head d_model"], hook: HookPoint) -> Tensor:
         return patch(messages)
@@ -284,8 +294,31 @@ def next_token_loss(
     >>> next_token_loss(torch.zeros(1, 2, 4), torch.tensor([[0, 3]]))  # log 4
     tensor(1.3863)
     """
+    if not isinstance(logits, Tensor) or not logits.is_floating_point() or logits.ndim < 1:
+        raise ConnWalkError(
+            f"logits must be a float tensor [..., d_vocab], got {_described(logits)}"
+        )
+    if (
+        not isinstance(targets, Tensor)
+        or targets.is_floating_point()
+        or targets.is_complex()
+        or targets.dtype == torch.bool
+        or targets.shape != logits.shape[:-1]
+    ):
+        raise ConnWalkError(
+            f"targets must be integer token ids of the logits' shape without d_vocab, "
+            f"{tuple(logits.shape[:-1])}, got {_described(targets)}"
+        )
+    check_token_ids(targets, logits.shape[-1])
     log_probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
     return -log_probs.gather(-1, targets[..., None]).mean()
+
+
+def _described(value: object) -> str:
+    """A tensor's dtype and shape, or another object's type and value, for a message."""
+    if isinstance(value, Tensor):
+        return f"{value.dtype} {tuple(value.shape)}"
+    return f"{type(value).__name__} {value!r}"
 
 
 def _takes_targets(metric: Metric) -> bool:
@@ -314,17 +347,25 @@ def _position_index(positions: Positions, n_pos: int, with_targets: bool) -> lis
     """The chosen positions as indices in ``[0, n_pos)``; with targets, each needs a next one."""
     if positions is None:
         return list(range(n_pos - 1 if with_targets else n_pos))
+    ends = (positions.start, positions.stop, positions.step) if isinstance(positions, slice) else ()
+    if any(
+        end is not None and (isinstance(end, bool) or not isinstance(end, numbers.Integral))
+        for end in ends
+    ) or (isinstance(positions, slice) and positions.step == 0):
+        raise ConnWalkError(
+            f"a slice of positions takes int bounds and a nonzero step, got {positions!r}"
+        )
     if isinstance(positions, slice):
         chosen = list(range(n_pos)[positions])
+    elif isinstance(positions, (str, bytes)) or not isinstance(
+        positions, (numbers.Integral, Iterable)
+    ):
+        raise ConnWalkError(
+            f"positions must be an int, a list of ints, a slice or None, got {positions!r}"
+        )
     else:
-        chosen = [positions] if isinstance(positions, int) else list(positions)
-        for p in chosen:
-            if isinstance(p, bool) or not isinstance(p, int) or not -n_pos <= p < n_pos:
-                raise ConnWalkError(
-                    f"positions must be ints in [-{n_pos}, {n_pos}) (the token positions), a "
-                    f"slice or None; got {positions!r}"
-                )
-        chosen = [p % n_pos for p in chosen]
+        given = list(positions) if isinstance(positions, Iterable) else [positions]
+        chosen = [checked_index(p, n_pos, "position", "each sequence", "positions") for p in given]
     if not chosen:
         raise ConnWalkError(f"positions={positions!r} selects none of the {n_pos} positions")
     if with_targets and n_pos - 1 in chosen:
@@ -338,7 +379,15 @@ def _position_index(positions: Positions, n_pos: int, with_targets: bool) -> lis
 
 
 def _scalar(value: Tensor | float, metric: Metric) -> float:
-    result = torch.as_tensor(value)
+    try:
+        result = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        result = None
+    if result is None or result.is_complex():
+        raise ConnWalkError(
+            f"metric {metric!r} returned {_described(value)}; it must return one number (a "
+            "float or a one-element tensor)"
+        )
     if result.numel() != 1:
         raise ConnWalkError(
             f"metric {metric!r} returned shape {tuple(result.shape)}; it must return one "
@@ -347,15 +396,34 @@ def _scalar(value: Tensor | float, metric: Metric) -> float:
     return float(result.item())
 
 
+def _sweep_tokens(model: Any, tokens: object) -> Int[Tensor, "batch pos"]:
+    """``tokens`` as ``[batch, pos]`` ids in the model's vocabulary: token ids ``[batch, pos]``
+    or ``[pos]``, or text (a string, or strings of one length in tokens) tokenised with the
+    model as `tl_connwalk.attribute` does."""
+    if isinstance(tokens, (str, list)) and getattr(model, "tokenizer", None) is None:
+        raise ConnWalkError(
+            "this model has no tokenizer to turn text into tokens; pass token ids [batch, pos]"
+        )
+    ids, mask = tokens_of(model, cast(Any, tokens), None)
+    if mask is not None:
+        raise ConnWalkError(
+            "these texts have different lengths in tokens, and ablation_sweep runs without an "
+            "attention mask (padding would enter the metric): sweep each text on its own, or "
+            "pass texts of one length"
+        )
+    if ids.is_complex() or ids.dtype == torch.bool:
+        raise ConnWalkError(
+            f"tokens must be integer token ids [batch, pos] (model.to_tokens gives them) or "
+            f"text, got {_described(ids)}"
+        )
+    check_token_ids(ids, int(model.cfg.d_vocab))
+    return ids
+
+
 def _reader(
     tokens: Int[Tensor, "batch pos"], metric: Metric | None, positions: Positions
 ) -> Callable[[Tensor], float]:
     """``logits -> number``: the metric (default `next_token_loss`) read at ``positions``."""
-    if tokens.ndim != 2:
-        raise ConnWalkError(
-            f"tokens must be [batch, pos] token ids (model.to_tokens gives them), got shape "
-            f"{tuple(tokens.shape)}"
-        )
     chosen: Metric = metric if metric is not None else next_token_loss
     with_targets = metric is None or _takes_targets(metric)
     index = torch.tensor(_position_index(positions, tokens.shape[1], with_targets))
@@ -369,6 +437,27 @@ def _reader(
     return read
 
 
+def _head_choices(n_heads: int, heads: object) -> list[int | Literal["all"]]:
+    """The sweep's head choices: each an index (negative counts from the end) or ``"all"``."""
+    if heads is None:
+        return [*range(n_heads), "all"]
+    if isinstance(heads, (str, bytes)) or not isinstance(heads, Iterable):
+        raise ConnWalkError(
+            f'heads must be None or a list of head choices, each an int or "all" (the whole '
+            f"layer), got {heads!r}"
+        )
+    choices: list[int | Literal["all"]] = []
+    for head in heads:
+        if isinstance(head, str) and head != "all":
+            raise ConnWalkError(f'a head choice is an int or "all" (the whole layer), got {head!r}')
+        choices.append(
+            "all"
+            if isinstance(head, str)
+            else checked_index(head, n_heads, "head", "each layer", "heads")
+        )
+    return choices
+
+
 def _count_passes(runs: Sequence[tuple[int, int | str, Ablation]]) -> int:
     """One clean pass, one per run, one TransformerLens reference per (layer, head)."""
     return 1 + len(runs) + len({(layer, head) for layer, head, _ in runs})
@@ -376,7 +465,7 @@ def _count_passes(runs: Sequence[tuple[int, int | str, Ablation]]) -> int:
 
 def ablation_sweep(
     model: Any,
-    tokens: Int[Tensor, "batch pos"],
+    tokens: Int[Tensor, "batch pos"] | Int[Tensor, " pos"] | str | list[str],
     ablations: Iterable[Ablation] = ABLATIONS,
     layers: Iterable[int] | None = None,
     heads: Iterable[int | Literal["all"]] | None = None,
@@ -391,7 +480,10 @@ def ablation_sweep(
         model: a ``HookedTransformer`` or decoder ``TransformerBridge``; attached here if it is
             not, and detached afterwards only then. Hooks are removed after each run, no weight
             changes, everything runs under ``torch.no_grad``.
-        tokens: ``[batch, pos]`` token ids.
+        tokens: ``[batch, pos]`` (or ``[pos]``) token ids, or text: a string, or strings of
+            one length in tokens (tokenised with the model, as `tl_connwalk.attribute` does;
+            the sweep runs without an attention mask, so texts of different lengths, which
+            would need padding, are refused).
         ablations: which of ``"zero"``, ``"mean"``, ``"isometric"``, ``"scalar"``,
             ``"uniform_gates"`` to run (default all five).
         layers: the layers to ablate, one at a time (default every layer).
@@ -434,19 +526,21 @@ def ablation_sweep(
     >>> list(last.columns[3:6])
     ['metric_clean', 'metric_ablated', 'delta_metric']
     """
+    adapter = adapter_for(model)
+    tokens = _sweep_tokens(model, tokens)
+    if isinstance(ablations, (str, bytes)) or not isinstance(ablations, Iterable):
+        raise ConnWalkError(
+            f"ablations must be a list of names from {ABLATIONS}, got {ablations!r}"
+        )
     ablations = tuple(ablations)
     for ablation in ablations:
         if ablation not in ABLATIONS:
             raise ConnWalkError(f"ablation must be one of {ABLATIONS}, got {ablation!r}")
+    check_flag(progress, "progress")
     read = _reader(tokens, metric, positions)
-    n_layers, n_heads = _n_layers_heads(model)
-    layer_list = list(range(n_layers)) if layers is None else list(layers)
-    head_list: list[int | Literal["all"]] = (
-        [*range(n_heads), "all"] if heads is None else list(heads)
-    )
-    for head in head_list:
-        if head != "all":
-            _head_index(n_heads, cast(int, head))
+    n_heads = _n_layers_heads(model)[1]
+    layer_list = resolve_layers(adapter, model, layers)
+    head_list = _head_choices(n_heads, heads)
     runs = [
         (layer, head, ablation)
         for layer in layer_list

@@ -14,8 +14,9 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformer_lens import ActivationCache
 
-from tl_connwalk.cache import connection_walks, n_layers_of, walk_matrix
+from tl_connwalk.cache import connection_walks, layers_of, n_layers_of, walk_matrix
 from tl_connwalk.core import markov, padding
+from tl_connwalk.core.checks import check_draws, check_flag
 from tl_connwalk.core.isometry import query_chunks
 from tl_connwalk.core.walk import check_heads
 from tl_connwalk.errors import ConnWalkError
@@ -144,6 +145,9 @@ def geometry_table(
     same ``exclude_sink``, ``edges`` and ``heads``) reuses residuals already computed instead
     of measuring again.
 
+    ``layers``: the layers measured, in that order (default every layer; negative counts from
+    the end).
+
     ``attention_mask`` ``[batch, pos]`` marks the padding of a padded batch (else it is read
     off the cache, `tl_connwalk.cache.connection_walk`): each sequence counts as if it ran
     alone. ``edges`` (an edge mask, see `tl_connwalk.walk.residual.laplacian_residual`) and
@@ -163,7 +167,17 @@ def geometry_table(
     ...
     """
     n_layers = n_layers_of(cache)
-    chosen = list(range(n_layers)) if layers is None else [layer % n_layers for layer in layers]
+    chosen = layers_of(cache, layers)
+    check_draws(baseline_draws, "baseline_draws")
+    check_flag(progress, "progress")
+    if residuals is not None and not (
+        isinstance(residuals, Mapping)
+        and all(isinstance(res, LaplacianResidual) for res in residuals.values())
+    ):
+        raise ConnWalkError(
+            "residuals must map layers to the LaplacianResidual of each (e.g. "
+            f"{{0: cache.laplacian_residual(0)}}), got {type(residuals).__name__}."
+        )
     rows = []
     walks: dict[int, ConnectionWalk] = {}
     names: dict[int, tuple[int, ...]] = {}  # the heads measured, per layer

@@ -14,7 +14,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens import ActivationCache
 
-from tl_connwalk.adapters import Adapter, adapter_for, resolve_layer
+from tl_connwalk.adapters import Adapter, adapter_for, resolve_layer, resolve_layers
 from tl_connwalk.adapters.checks import check_layer_devices
 from tl_connwalk.core import walk as core_walk
 from tl_connwalk.core.isometry import working_dtype
@@ -32,13 +32,9 @@ def required_hooks(model: nn.Module, layers: Iterable[int] | int | None = None) 
     >>> _, cache = model.run_with_cache(tokens, names_filter=names)
     """
     adapter = adapter_for(model)
-    if layers is None:
-        layers = range(adapter.n_layers(model))
-    elif isinstance(layers, int):
-        layers = [layers]
     names: list[str] = []
-    for layer in layers:
-        names += adapter.required_hooks(model, resolve_layer(adapter, model, layer))
+    for layer in resolve_layers(adapter, model, layers):
+        names += adapter.required_hooks(model, layer)
     return names
 
 
@@ -61,6 +57,14 @@ def _model_of(cache: object, model: nn.Module | None) -> nn.Module:
 def n_layers_of(cache: ActivationCache, model: nn.Module | None = None) -> int:
     """How many attention layers the cache's model has."""
     return n_layers_of_model(_model_of(cache, model))
+
+
+def layers_of(cache: ActivationCache, layers: object) -> list[int]:
+    """``layers`` of the cache's model (``None``: every layer; an index; or an iterable of
+    them) as non-negative indices in the order given, negative counting from the end
+    (`tl_connwalk.adapters.resolve_layers`)."""
+    model = _model_of(cache, None)
+    return resolve_layers(adapter_for(model), model, layers)
 
 
 def n_layers_of_model(model: nn.Module) -> int:

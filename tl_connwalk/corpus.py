@@ -23,6 +23,7 @@ from tl_connwalk.adapters import adapter_for, resolve_layer
 from tl_connwalk.adapters.hooked_transformer import is_encoder
 from tl_connwalk.analysis import geometry_table
 from tl_connwalk.cache import n_layers_of_model, required_hooks
+from tl_connwalk.core.checks import check_flag, check_token_ids, is_count
 from tl_connwalk.core.moments import Moments
 from tl_connwalk.distributed import rank_and_world, reduce_to_rank0
 from tl_connwalk.errors import ConnWalkError
@@ -47,6 +48,11 @@ def token_windows(model: nn.Module, texts: Iterable[str], seq_len: int) -> Itera
         )
     buffer: list[int] = []
     for text in texts:
+        if not isinstance(text, str):
+            raise ConnWalkError(
+                f"analyze() reads texts (strings) or token tensors; got a {type(text).__name__} "
+                f"({text!r}) among the texts."
+            )
         buffer += tokenizer(text, add_special_tokens=False)["input_ids"]
         while len(buffer) >= body:
             yield torch.tensor(bos + buffer[:body])
@@ -83,11 +89,8 @@ def check_tokens(tokens: Tensor, d_vocab: int | None = None) -> Tensor:
             f"token sequences have length 1 {shape}: a single token's walk is the 1 x 1 "
             "identity, with nothing to measure; pass sequences of at least 2 tokens."
         )
-    if d_vocab is not None and (int(tokens.min()) < 0 or int(tokens.max()) >= d_vocab):
-        raise ConnWalkError(
-            f"token ids range over [{int(tokens.min())}, {int(tokens.max())}] but the model's "
-            f"vocabulary is 0..{d_vocab - 1}: were these tokens made by another tokenizer?"
-        )
+    if d_vocab is not None:
+        check_token_ids(tokens, d_vocab)
     return tokens.long()
 
 
@@ -238,8 +241,14 @@ def analyze(
     for name, value, least in (("batch_size", batch_size, 1), ("seq_len", seq_len, 2)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ConnWalkError(f"{name} must be an int >= {least}, got {value!r}.")
-    if max_batches is not None and (not isinstance(max_batches, int) or max_batches < 1):
+    if max_batches is not None and not is_count(max_batches):
         raise ConnWalkError(f"max_batches must be None or an int >= 1, got {max_batches!r}.")
+    if not isinstance(data, (Tensor, Iterable)):
+        raise ConnWalkError(
+            "data must be texts, a datasets.Dataset with a 'text' column, a token tensor "
+            f"[n, pos] or an iterable of token tensors, got {type(data).__name__}."
+        )
+    check_flag(progress, "progress")
     rank, world = rank_and_world(distributed)
     n_layers = n_layers_of_model(model)
     adapter = adapter_for(model)

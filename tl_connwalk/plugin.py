@@ -1,6 +1,9 @@
 """``attach`` and ``detach``: the one place tl_connwalk touches a model or TransformerLens.
 
-``import tl_connwalk`` changes nothing. ``attach(model)`` checks the model is supported, adds
+``import tl_connwalk`` changes nothing but the message of one error: looking up a cache method
+on an ``ActivationCache`` before any ``attach`` raises `NotAttachedError` (an
+``AttributeError``, as before, and a `ConnWalkError`) that says to call ``attach`` first
+(`_cache_method_hint`). ``attach(model)`` checks the model is supported, adds
 the connection-walk hook points to ``HookedTransformer``/``HookedEncoder`` models
 and ``TransformerBridge`` models
 (`tl_connwalk.hooks`, `tl_connwalk.hooks.bridge`) and registers the cache methods on
@@ -48,6 +51,36 @@ PER_HEAD_POINTS: tuple[str, str] = ("hook_conn_gates", "hook_conn_messages")
 #: Every live attachment, of attached models and of their copies: the cache methods stay while
 #: any is alive.
 _live: "weakref.WeakSet[_Attachment]" = weakref.WeakSet()
+
+
+class NotAttachedError(ConnWalkError, AttributeError):
+    """A cache method looked up before `attach`: an ``AttributeError`` (``hasattr`` and
+    ``getattr(cache, name, default)`` work as always) that says what to do."""
+
+
+def _cache_method_hint(self: ActivationCache, name: str) -> Any:
+    """``ActivationCache.__getattr__``: called only when normal lookup finds nothing, so it
+    changes no attribute that exists; for a cache method's name it says to `attach` first, for
+    any other name it raises the ``AttributeError`` Python would have."""
+    if name in CACHE_METHODS:
+        raise NotAttachedError(
+            f"ActivationCache has no method {name} until tl_connwalk.attach(model) is called: "
+            f"call tl_connwalk.attach(model) first (then every cache has it, this one "
+            f"included), or call tl_connwalk.{name}(cache, ...), which needs no attach."
+        )
+    raise AttributeError(
+        f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self
+    )
+
+
+def _install_cache_method_hint() -> None:
+    """Give ``ActivationCache`` `_cache_method_hint` as its ``__getattr__``, unless it has one
+    (TransformerLens 2.x to 4.x have none)."""
+    if "__getattr__" not in vars(ActivationCache):
+        ActivationCache.__getattr__ = _cache_method_hint  # type: ignore[attr-defined]
+
+
+_install_cache_method_hint()
 
 
 def _method(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -170,6 +203,10 @@ def _hooks_module(model: nn.Module) -> Any:
 
 def is_attached(model: nn.Module) -> bool:
     """Whether ``attach(model)`` is in effect (also on a copy of an attached model)."""
+    if not isinstance(model, nn.Module):
+        raise ConnWalkError(
+            f"is_attached takes a model (a torch.nn.Module), got {type(model).__name__}."
+        )
     return isinstance(vars(model).get(_ATTACHMENT), _Attachment)
 
 

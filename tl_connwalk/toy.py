@@ -15,13 +15,14 @@ import contextlib
 import io
 import tempfile
 import warnings
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from tl_connwalk.adapters.versions import TransformerBridge, require_bridge
+from tl_connwalk.core.checks import check_device, check_flag, is_count
 from tl_connwalk.errors import ConnWalkError
 
 Architecture = Literal["gpt2", "llama", "gemma3", "bert"]
@@ -60,6 +61,39 @@ def _hf_model(
     return transformers.BertForMaskedLM(transformers.BertConfig(**size))
 
 
+def _check_arguments(
+    arch: object,
+    n_layers: object,
+    d_model: object,
+    n_heads: object,
+    n_ctx: object,
+    seed: object,
+    scale: object,
+    device: object,
+) -> None:
+    """A ConnWalkError for a `random_bridge` argument that cannot make a model."""
+    if arch not in get_args(Architecture):
+        raise ConnWalkError(
+            f"unknown toy architecture {arch!r}; choose one of {get_args(Architecture)}."
+        )
+    sizes = {"n_layers": n_layers, "d_model": d_model, "n_heads": n_heads, "n_ctx": n_ctx}
+    for name, size in sizes.items():
+        if not is_count(size):
+            raise ConnWalkError(f"{name} must be a positive int, got {size!r}.")
+    if cast(int, d_model) % cast(int, n_heads):
+        raise ConnWalkError(
+            f"d_model={d_model} must be a multiple of n_heads={n_heads} (d_head = d_model / "
+            "n_heads)."
+        )
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConnWalkError(f"seed must be an int, got {seed!r}.")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale >= 0:
+        raise ConnWalkError(
+            f"scale (the weights' standard deviation) must be a number >= 0, got {scale!r}."
+        )
+    check_device(device)
+
+
 def random_bridge(
     arch: Architecture = "gpt2",
     *,
@@ -82,10 +116,8 @@ def random_bridge(
     on the CPU, so a seed gives the same model on every device.
     """
     bridge_class = require_bridge("tl_connwalk.toy.random_bridge")
-    if arch not in get_args(Architecture):
-        raise ConnWalkError(
-            f"unknown toy architecture {arch!r}; choose one of {get_args(Architecture)}."
-        )
+    _check_arguments(arch, n_layers, d_model, n_heads, n_ctx, seed, scale, device)
+    check_flag(compatibility_mode, "compatibility_mode")
     torch.manual_seed(seed)
     model = _hf_model(arch, n_layers, d_model, n_heads, n_ctx)
     generator = torch.Generator().manual_seed(seed)

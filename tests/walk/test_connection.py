@@ -69,7 +69,9 @@ def test_effective_transport_argument_errors(gqa_walk_and_cache):
     walk, _, _ = gqa_walk_and_cache
     with pytest.raises(tl_connwalk.ConnWalkError, match="both query and key"):
         walk.effective_transport(3)
-    with pytest.raises(tl_connwalk.ConnWalkError, match="key=9 is out of range for a walk over 9"):
+    with pytest.raises(
+        tl_connwalk.ConnWalkError, match="key 9 is out of range: this walk has 9 positions"
+    ):
         walk.effective_transport(0, 9)
 
 

@@ -111,7 +111,7 @@ def test_symmetric_walk_with_paired_orthogonal_transports_is_a_connection_laplac
 def test_defect_kind_is_checked(walk):
     with pytest.raises(tl_connwalk.ConnWalkError, match='kind must be "gram" or "frobenius"'):
         inspect.unwrap(tl_connwalk.walk.residual.isometry_defects)(walk, "nuclear")
-    with pytest.raises(tl_connwalk.ConnWalkError, match="baseline_draws must be >= 2"):
+    with pytest.raises(tl_connwalk.ConnWalkError, match="baseline_draws must be an integer >= 2"):
         walk.laplacian_residual(baseline_draws=1)
 
 

@@ -5,12 +5,15 @@ the biases of a layer come from. Adding a model class is one new module here and
 ``ADAPTERS``; the math core never imports this package.
 """
 
+import numbers
+from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
 from torch import Tensor, nn
 from transformer_lens import ActivationCache
 
 from tl_connwalk.adapters import bridge, hooked_transformer
+from tl_connwalk.core.checks import checked_index
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.walk import ConnectionWalk
 
@@ -54,15 +57,27 @@ def adapter_for(model: object) -> Adapter:
 
 
 def resolve_layer(adapter: Adapter, model: nn.Module, layer: object) -> int:
-    """``layer`` as a non-negative index; negative counts from the end, as in Python."""
+    """``layer`` as a non-negative index; negative counts from the end, as in Python
+    (`tl_connwalk.core.checks.checked_index`: the rule and message of every index)."""
     n_layers = adapter.n_layers(model)
     if n_layers == 0:
         raise ConnWalkError("this model has no attention layer (n_layers = 0): there is no walk.")
-    if isinstance(layer, bool) or not isinstance(layer, int):
-        raise ConnWalkError(f"layer must be an int, got {type(layer).__name__} {layer!r}.")
-    if not -n_layers <= layer < n_layers:
+    return checked_index(layer, n_layers, "layer", "this model", "attention layers")
+
+
+def resolve_layers(adapter: Adapter, model: nn.Module, layers: object) -> list[int]:
+    """``layers`` (``None``: every layer; one index; or an iterable of indices) as
+    non-negative indices in the order given, each by `resolve_layer`.
+
+    >>> resolve_layers(adapter_for(model), model, [-1, 0])
+    [1, 0]
+    """
+    if layers is None:
+        return list(range(adapter.n_layers(model)))
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, (numbers.Integral, Iterable)):
         raise ConnWalkError(
-            f"layer {layer} is out of range: this model has {n_layers} attention layers "
-            f"(valid: 0..{n_layers - 1}, or -{n_layers}..-1 counted from the end)."
+            f"layers must be None (every layer), a layer index or an iterable of them, got "
+            f"{type(layers).__name__} {layers!r}."
         )
-    return layer % n_layers
+    chosen = [layers] if not isinstance(layers, Iterable) else list(layers)
+    return [resolve_layer(adapter, model, layer) for layer in chosen]

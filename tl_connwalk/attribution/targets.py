@@ -107,12 +107,22 @@ def _ids(value: int | Tensor, batch: int, d_vocab: int, what: str) -> Tensor:
 
 
 def _positions(position: int | Tensor, batch: int, n_pos: int) -> Tensor:
-    pos = torch.as_tensor(position)
-    if pos.is_floating_point() or pos.ndim > 1 or pos.numel() not in (1, batch):
+    given: Tensor | None
+    try:
+        given = torch.as_tensor(position)
+    except (TypeError, ValueError, RuntimeError):  # not numbers: a string, say
+        given = None
+    if (
+        given is None
+        or given.is_floating_point()
+        or given.dtype == torch.bool
+        or given.ndim > 1
+        or given.numel() not in (1, batch)
+    ):
         raise ConnWalkError(
             f"position must be an int or one per sequence ([{batch}] integers), got {position!r}."
         )
-    pos = pos.reshape(-1).expand(batch).long()
+    pos = given.reshape(-1).expand(batch).long()
     if ((pos < -n_pos) | (pos >= n_pos)).any():
         raise ConnWalkError(
             f"position {pos.tolist()} is out of range for {n_pos} positions "
@@ -241,6 +251,11 @@ def resolve(
         if target.ndim not in (1, 2) or (target.ndim == 2 and target.shape[0] not in (1, batch)):
             raise ConnWalkError(
                 f"a direction target is [d_model] or [batch, d_model], got {tuple(target.shape)}."
+            )
+        if target.shape[-1] != activation.shape[-1]:
+            raise ConnWalkError(
+                f"a direction target has one entry per dimension of the final residual, "
+                f"d_model = {activation.shape[-1]}; got {tuple(target.shape)}."
             )
         direction = target.reshape(-1, target.shape[-1]).expand(batch, -1)
         return Target("direction", pos, direction=direction.to(logits.device))

@@ -208,6 +208,17 @@ def _routes_by_sequence(
     routes: Sequence[Route], batch: int, n_pos: int, names: list[str] | None
 ) -> list[list[dict[str, Any]]]:
     """The routes of each sequence, largest ``|contribution|`` first, checked against it."""
+    if isinstance(routes, (str, bytes)) or not isinstance(routes, Sequence):
+        raise ConnWalkError(
+            f"routes must be an int k (the k largest of each sequence) or a list of Route "
+            f"(Attribution.routes gives them), got {type(routes).__name__} {routes!r}."
+        )
+    strays = [route for route in routes if not isinstance(route, Route)]
+    if strays:
+        raise ConnWalkError(
+            f"routes must hold Route records (Attribution.routes gives them), got "
+            f"{type(strays[0]).__name__} {strays[0]!r}."
+        )
     known = None if names is None else set(names)
     listed: list[list[dict[str, Any]]] = [[] for _ in range(batch)]
     for route in routes:

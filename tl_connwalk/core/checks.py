@@ -2,6 +2,7 @@
 what was wrong and how to fix it, or casts to the working precision (float32 or wider)."""
 
 import cmath
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -19,6 +20,50 @@ def working_dtype(*tensors: Tensor) -> torch.dtype:
 def is_count(value: object, least: int = 1) -> bool:
     """Whether ``value`` is an integer ``>= least`` (``True`` and ``False`` are no counts)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def checked_index(value: object, size: int, name: str, owner: str, units: str) -> int:
+    """``value`` as an index in ``0..size-1``, negative counting from the end as in Python.
+
+    The one rule and message for every index a user passes (layers, heads, positions): a
+    ConnWalkError when ``value`` is no integer (``True`` and ``1.0`` are none) or lies outside
+    ``-size..size-1``, naming ``owner``'s ``size`` ``units``.
+
+    >>> checked_index(-1, 30, "layer", "this model", "attention layers")
+    29
+    >>> checked_index(30, 30, "layer", "this model", "attention layers")
+    Traceback (most recent call last):
+    ...
+    tl_connwalk.errors.ConnWalkError: layer 30 is out of range: this model has 30 attention ...
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConnWalkError(
+            f"{name} must be an int (negative counts from the end), got "
+            f"{type(value).__name__} {value!r}."
+        )
+    index = int(value)
+    if not -size <= index < size:
+        valid = f"0..{size - 1}, or -{size}..-1 counted from the end" if size else "none"
+        raise ConnWalkError(
+            f"{name} {index} is out of range: {owner} has {size} {units} (valid: {valid})."
+        )
+    return index % size
+
+
+def check_token_ids(tokens: Tensor, d_vocab: int) -> None:
+    """A ConnWalkError unless every entry of the integer tensor ``tokens`` is an id of a
+    vocabulary of ``d_vocab`` tokens, ``0..d_vocab-1`` (one reduction, one synchronisation).
+
+    >>> check_token_ids(torch.tensor([[0, 63]]), 64)
+    """
+    if tokens.numel() == 0:
+        return
+    low, high = (int(v) for v in torch.stack(torch.aminmax(tokens)).tolist())
+    if low < 0 or high >= d_vocab:
+        raise ConnWalkError(
+            f"token ids range over [{low}, {high}] but the model's vocabulary is "
+            f"0..{d_vocab - 1}: were these tokens made by another tokenizer?"
+        )
 
 
 def check_optional_count(value: object, name: str, none_means: str, unit: str) -> None:
@@ -72,6 +117,28 @@ def check_chunk(query_chunk: int | None) -> None:
         query_chunk, "query_chunk", "automatic, the chunk budget's numbers per chunk",
         "number of query rows",
     )  # fmt: skip
+
+
+def check_tensors(**tensors: object) -> None:
+    """A ConnWalkError naming the first of ``tensors`` (name=value) that is no tensor."""
+    for name, value in tensors.items():
+        if not isinstance(value, Tensor):
+            raise ConnWalkError(f"{name} must be a torch.Tensor, got {type(value).__name__}.")
+
+
+def check_field_shape(field: object, shape: tuple[int, ...]) -> None:
+    """A ConnWalkError unless ``field`` is a float tensor of ``shape``
+    ``[batch, pos, d_model]`` (the walk's)."""
+    if isinstance(field, Tensor):
+        if field.is_floating_point() and tuple(field.shape) == tuple(shape):
+            return
+        got = f"{field.dtype} {tuple(field.shape)}"
+    else:
+        got = type(field).__name__
+    raise ConnWalkError(
+        f"field must be a float tensor [batch, pos, d_model] = {tuple(shape)}, the walk's; got "
+        f"{got}."
+    )
 
 
 def cast_gates(gates: Tensor, *grams: Tensor) -> tuple[Tensor, ...]:
@@ -193,10 +260,22 @@ def check_flag(value: object, name: str) -> bool:
     return value
 
 
-def check_draws(n_draws: object) -> None:
-    """A ConnWalkError unless ``n_draws`` is an integer ``>= 2`` (a spread needs two draws)."""
+def check_device(device: object) -> None:
+    """A ConnWalkError unless ``device`` names a torch device (``"cpu"``, ``"cuda:1"``, a
+    ``torch.device``)."""
+    try:
+        torch.device(device)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError) as error:
+        raise ConnWalkError(
+            f"device must be a torch device such as 'cpu', 'cuda' or 'cuda:1', got {device!r}."
+        ) from error
+
+
+def check_draws(n_draws: object, name: str = "n_draws") -> None:
+    """A ConnWalkError unless ``n_draws`` (the option ``name``) is an integer ``>= 2`` (a
+    spread needs two draws)."""
     if not is_count(n_draws, least=2):
-        raise ConnWalkError(f"n_draws must be an integer >= 2 (for a spread), got {n_draws!r}.")
+        raise ConnWalkError(f"{name} must be an integer >= 2 (for a spread), got {n_draws!r}.")
 
 
 def ratio_defect(

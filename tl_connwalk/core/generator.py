@@ -11,7 +11,8 @@ from einops import einsum, rearrange
 from jaxtyping import Float
 from torch import Tensor
 
-from tl_connwalk.core.walk import propagate
+from tl_connwalk.core.checks import check_field_shape
+from tl_connwalk.core.walk import check_operator, propagate
 from tl_connwalk.errors import ConnWalkError
 
 #: Dense generators above this many entries are refused (8 GiB in float32).
@@ -33,6 +34,7 @@ class ConnectionGenerator:
         W_V: Float[Tensor, "head d_model d_head"],
         W_O: Float[Tensor, "head d_head d_model"],
     ) -> None:
+        check_operator("pattern", pattern, W_V, W_O)
         self.pattern = pattern
         self.W_V = W_V
         self.W_O = W_O
@@ -48,6 +50,7 @@ class ConnectionGenerator:
         self, field: Float[Tensor, "batch pos d_model"]
     ) -> Float[Tensor, "batch pos d_model"]:
         """``L X = X - P X``."""
+        check_field_shape(field, (self.pattern.shape[0], self.pattern.shape[-1], self.W_V.shape[1]))
         return field - propagate(self.pattern, field, self.W_V, self.W_O)
 
     __call__ = matvec

@@ -276,6 +276,7 @@ def reversibility_residual(
     >>> reversibility_residual(S / S.sum(-1, keepdim=True)).residual < 1e-6  # reversible
     tensor([True])
     """
+    alpha = _check_alpha(alpha)  # used by mu="teleport" alone, but wrong whatever mu is
     walk64, real = _on_positions(_check_walk(walk), positions)
     batch = walk64.shape[0]
     kinds: list[MuKind]

@@ -16,6 +16,7 @@ Padding is then one edge mask like any other (`real_edges`): a measurement keeps
 between real positions, and a user's edge mask (`resolve_edges`) is intersected with it.
 """
 
+import inspect
 from collections.abc import Callable, Sequence
 
 import torch
@@ -131,7 +132,8 @@ def checked_mask(
 
 
 def _check_mask_shape(attention_mask: object, shape: torch.Size) -> None:
-    """A ConnWalkError unless ``attention_mask`` is a tensor of the walk's ``[batch, pos]``."""
+    """A ConnWalkError unless ``attention_mask`` is a tensor of the walk's ``[batch, pos]``
+    holding only 1 (or True: a real token) and 0 (padding)."""
     if not isinstance(attention_mask, Tensor):
         raise ConnWalkError(
             f"attention_mask must be a [batch, pos] tensor, got {type(attention_mask).__name__}."
@@ -140,6 +142,11 @@ def _check_mask_shape(attention_mask: object, shape: torch.Size) -> None:
         raise ConnWalkError(
             f"attention_mask {tuple(attention_mask.shape)} must be [batch, pos] = "
             f"{tuple(shape[:2])}, the batch and positions of the cache."
+        )
+    if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+        raise ConnWalkError(
+            "attention_mask must hold 1 (or True) on real tokens and 0 on padding, got other "
+            f"values ({attention_mask.dtype})."
         )
 
 
@@ -198,6 +205,7 @@ def resolve_edges(
     batch, n_query, n_key = shape
     if callable(edges) and not isinstance(edges, Tensor):
         pos = token_positions(positions, batch, n_key, device)
+        _check_edge_function(edges)
         mask = edges(pos[:, :, None], pos[:, None, :])
         if not isinstance(mask, Tensor):
             raise ConnWalkError(
@@ -222,6 +230,22 @@ def resolve_edges(
             f"edges {tuple(edges.shape)} must be [batch, query, key] = {tuple(shape)}, the walk's."
         )
     return edges.to(device)
+
+
+def _check_edge_function(edges: Callable[..., object]) -> None:
+    """A ConnWalkError unless ``edges`` can be called with two positional arguments (the query
+    and key positions); a callable whose signature cannot be read is called as it is."""
+    try:
+        signature = inspect.signature(edges)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise ConnWalkError(
+            f"an edge-mask function takes the query and key positions, edges(q, k) (e.g. "
+            f"lambda q, k: k == q - 1), but {edges!r} takes {signature}."
+        ) from None
 
 
 def scope(

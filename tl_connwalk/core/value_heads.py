@@ -51,13 +51,16 @@ def check_kv_heads(kv_heads: Sequence[int] | None, n_heads: int) -> KVHeads | No
     """
     if kv_heads is None:
         return None
-    values = tuple(kv_heads)
+    values = (
+        tuple(kv_heads) if isinstance(kv_heads, Sequence) and not isinstance(kv_heads, str) else ()
+    )
     if len(values) != n_heads or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v < n_heads for v in values
     ):
         raise ConnWalkError(
-            f"kv_heads must give the value head (an integer >= 0) of each of the {n_heads} query "
-            f"heads, got {kv_heads!r}; e.g. grouped_value_heads(n_heads, n_key_value_heads)."
+            f"kv_heads must give the value head (an integer in 0..{n_heads - 1}: there are at "
+            f"most as many value heads as query heads) of each of the {n_heads} query heads, got "
+            f"{kv_heads!r}; e.g. grouped_value_heads(n_heads, n_key_value_heads)."
         )
     return values
 

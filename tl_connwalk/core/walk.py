@@ -15,7 +15,7 @@ and ``W_ij T_ij = sum_h A^h_ij T^h`` edge by edge, which is how `propagate` eval
 ``P X`` without ever forming a ``d_model x d_model`` map per edge.
 """
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from einops import einsum, rearrange, reduce
@@ -23,25 +23,52 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 from transformer_lens import FactoredMatrix
 
+from tl_connwalk.core.checks import check_heads as check_weights
+from tl_connwalk.core.checks import check_tensors, checked_index
 from tl_connwalk.errors import ConnWalkError
 
 
 def check_heads(heads: Sequence[int], n_heads: int) -> tuple[int, ...]:
-    """``heads`` as sorted distinct indices in ``0..n_heads-1``; a ConnWalkError otherwise.
+    """``heads`` as sorted distinct indices in ``0..n_heads-1``, negative counting from the
+    end (`tl_connwalk.core.checks.checked_index`); a ConnWalkError otherwise.
 
     >>> check_heads([3, -4], 4)
     (0, 3)
     """
-    chosen = tuple(heads) if not isinstance(heads, (int, str, Tensor)) else ()
-    if not chosen or not all(isinstance(h, int) and not isinstance(h, bool) for h in chosen):
-        raise ConnWalkError(f"heads must be a non-empty sequence of head indices, got {heads!r}.")
-    in_range = all(-n_heads <= h < n_heads for h in chosen)
-    if not in_range or len({h % n_heads for h in chosen}) != len(chosen):
+    given = (
+        list(heads)
+        if isinstance(heads, Iterable) and not isinstance(heads, (str, bytes, Tensor))
+        else []
+    )
+    if not given:
         raise ConnWalkError(
-            f"heads {list(chosen)} must be distinct indices of the layer's {n_heads} heads "
-            f"(0..{n_heads - 1}, or negative from the end)."
+            f"heads must be a non-empty sequence of head indices (e.g. [0, 2]), got {heads!r}."
         )
-    return tuple(sorted(h % n_heads for h in chosen))
+    chosen = [checked_index(h, n_heads, "head", "this layer", "heads") for h in given]
+    twice = sorted({h for h in chosen if chosen.count(h) > 1})
+    if twice:
+        raise ConnWalkError(
+            f"heads {given} name head {twice[0]} twice: pass distinct indices of the "
+            f"layer's {n_heads} heads."
+        )
+    return tuple(sorted(chosen))
+
+
+def check_operator(name: str, pattern: Tensor, W_V: Tensor, W_O: Tensor) -> None:
+    """A ConnWalkError unless per-head ``pattern`` (or gates) ``[batch, head, query, key]``,
+    ``W_V`` ``[head, d_model, d_head]`` and ``W_O`` ``[head, d_head, d_model]`` are tensors
+    that fit together (the operands of `propagate` and `EffectiveTransport`)."""
+    check_tensors(**{name: pattern}, W_V=W_V, W_O=W_O)
+    check_weights(W_V, W_O)
+    if (
+        pattern.ndim != 4
+        or pattern.shape[1] != W_V.shape[0]
+        or pattern.shape[2] != pattern.shape[3]
+    ):
+        raise ConnWalkError(
+            f"{name} must be [batch, head, query, key] with head = {W_V.shape[0]} (W_V's) and "
+            f"query = key; got {tuple(pattern.shape)}."
+        )
 
 
 def walk_matrix(pattern: Float[Tensor, "batch head query key"]) -> Float[Tensor, "batch query key"]:
@@ -231,6 +258,18 @@ class EffectiveTransport:
         W_O: Float[Tensor, "head d_head d_model"],
         edges: Bool[Tensor, "batch query key"] | None = None,
     ) -> None:
+        check_operator("gates", gates, W_V, W_O)
+        if edges is not None and (
+            not isinstance(edges, Tensor)
+            or edges.dtype != torch.bool
+            or edges.shape != gates.shape[:1] + gates.shape[2:]
+        ):
+            raise ConnWalkError(
+                f"edges must be None or a bool tensor [batch, query, key] = "
+                f"{tuple(gates.shape[:1] + gates.shape[2:])}, the gates'; got "
+                f"{getattr(edges, 'dtype', type(edges).__name__)} "
+                f"{tuple(getattr(edges, 'shape', ()))}."
+            )
         self.gates = gates
         self.W_V = W_V
         self.W_O = W_O
@@ -244,7 +283,11 @@ class EffectiveTransport:
         return (batch, n_query, n_key, d_model, d_model)
 
     def __getitem__(self, edge: tuple[int, int]) -> FactoredMatrix:
-        query, key = edge
+        if not isinstance(edge, tuple) or len(edge) != 2:
+            raise ConnWalkError(f"index one edge as [query, key] (two ints), got [{edge!r}].")
+        _, _, n_query, n_key = self.gates.shape
+        query = checked_index(edge[0], n_query, "query", "this walk", "positions")
+        key = checked_index(edge[1], n_key, "key", "this walk", "positions")
         transport = edge_transport(self.gates[:, :, query, key], self.W_V, self.W_O)
         if self.edges is None or self.edges.is_meta:  # meta tensors hold no values to check
             return transport

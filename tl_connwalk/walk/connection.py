@@ -20,6 +20,7 @@ from transformer_lens import FactoredMatrix
 
 from tl_connwalk.core import edge_norms, padding, value_heads
 from tl_connwalk.core import walk as core
+from tl_connwalk.core.checks import check_field_shape, check_tensors
 from tl_connwalk.core.generator import ConnectionGenerator
 from tl_connwalk.core.value_heads import KVHeads
 from tl_connwalk.errors import ConnWalkError
@@ -119,9 +120,26 @@ class ConnectionWalk:
         ...                             torch.randn(4, 2, 8)).kv_heads
         (0, 0, 1, 1)
         """
+        check_tensors(pattern=pattern, field=field, W_V=W_V, W_O=W_O)
+        check_tensors(**{name: t for name, t in (("b_V", b_V), ("b_O", b_O)) if t is not None})
+        if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int)):
+            raise ConnWalkError(
+                f"layer must be None or an int (the layer the walk came from), got {layer!r}."
+            )
+        if processing is not None and not isinstance(processing, Mapping):
+            raise ConnWalkError(
+                "processing must be None or a mapping of TransformerLens weight processing "
+                f"options to bools (e.g. {{'fold_ln': True}}), got {type(processing).__name__}."
+            )
         n_heads, d_head, d_model = W_O.shape if W_O.ndim == 3 else (0, 0, 0)
         W_V, b_V, kv = _expanded_values(W_V, b_V, n_heads, kv_heads)
         _check_shapes(pattern, field, W_V, W_O)
+        for name, bias, shape in (("b_V", b_V, (n_heads, d_head)), ("b_O", b_O, (d_model,))):
+            if bias is not None and tuple(bias.shape) != shape:
+                raise ConnWalkError(
+                    f"{name} {tuple(bias.shape)} must be {shape} "
+                    f"({'[head, d_head]' if name == 'b_V' else '[d_model]'}), or None for zero."
+                )
         dtype = _float_dtype(field.dtype)
         device = field.device
 
@@ -173,6 +191,7 @@ class ConnectionWalk:
         >>> [w.attention_mask for w in ConnectionWalk.with_paddings([walk, walk])]
         [None, None]
         """
+        residual.check_walks(walks)
         found = padding.positions_of_walks([walk.walk for walk in walks], attention_mask)
         return [
             walk
@@ -277,18 +296,15 @@ class ConnectionWalk:
                 "effective_transport takes both query and key (one edge) or neither (all edges); "
                 f"got query={query}, key={key}."
             )
-        n_pos = self.walk.shape[-1]
-        for name, index in (("query", query), ("key", key)):
-            if not -n_pos <= index < n_pos:
-                raise ConnWalkError(
-                    f"{name}={index} is out of range for a walk over {n_pos} positions."
-                )
         return lazy[query, key]
 
     def apply(
         self, field: Float[Tensor, "batch key d_model"] | None = None
     ) -> Float[Tensor, "batch query d_model"]:
-        """``(P X)_i = sum_j W_ij x_j T_ij``; ``field`` defaults to the field the layer read."""
+        """``(P X)_i = sum_j W_ij x_j T_ij``; ``field`` defaults to the field the layer read
+        (another field has its shape, ``[batch, key, d_model]``)."""
+        if field is not None:
+            check_field_shape(field, tuple(self.field.shape))
         field = self.field if field is None else field.to(self.field)
         return core.propagate(self.patterns, field, self.W_V, self.W_O)
 
@@ -327,6 +343,7 @@ class ConnectionWalk:
         >>> walk.laplacian_residual(exclude_sink=True).transport_defect.shape  # [batch]
         torch.Size([2])
         """
+        residual.check_options(options)
         return residual.laplacian_residual(self, memo=self._memo, **options)
 
     @staticmethod
@@ -340,6 +357,8 @@ class ConnectionWalk:
         >>> [r.layer for r in ConnectionWalk.laplacian_residuals([walk, walk])]
         [0, 0]
         """
+        residual.check_options(options)
+        residual.check_walks(walks)
         return residual.laplacian_residuals(walks, memos=[walk._memo for walk in walks], **options)
 
     def isometry_defects(

@@ -10,6 +10,7 @@ measurements keep between calls (`Memo`, re-exported here with `MeasuredWalk`) i
 """
 
 import dataclasses
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
@@ -228,6 +229,31 @@ def laplacian_residual(
     )[0]  # fmt: skip
 
 
+def check_options(options: Mapping[str, object]) -> None:
+    """A ConnWalkError naming any of ``options`` that `laplacian_residual` does not take
+    (``walk.laplacian_residual(**options)`` passes them on)."""
+    taken = [
+        name
+        for name, parameter in inspect.signature(laplacian_residual).parameters.items()
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY and name != "memo"
+    ]
+    unknown = sorted(set(options) - set(taken))
+    if unknown:
+        raise ConnWalkError(
+            f"laplacian_residual takes no option {', '.join(map(repr, unknown))}; its options "
+            f"are {', '.join(taken)}."
+        )
+
+
+def check_walks(walks: object) -> None:
+    """A ConnWalkError unless ``walks`` is a sequence of walks (`MeasuredWalk`)."""
+    if not isinstance(walks, Sequence) or not all(isinstance(w, MeasuredWalk) for w in walks):
+        raise ConnWalkError(
+            "walks must be a sequence of ConnectionWalk (e.g. [cache.connection_walk(0), "
+            f"cache.connection_walk(1)]), got {type(walks).__name__}."
+        )
+
+
 def laplacian_residuals(
     walks: Sequence[MeasuredWalk],
     *,
@@ -256,11 +282,10 @@ def laplacian_residuals(
     budget). ``memos``: each walk's `Memo` (``None``: a
     fresh one).
     """
-    if baseline_draws < 2:
-        raise ConnWalkError(
-            f"baseline_draws must be >= 2 (a spread needs two), got {baseline_draws}."
-        )
+    isometry.check_draws(baseline_draws, "baseline_draws")
     isometry.check_flag(exclude_sink, "exclude_sink")
+    isometry.check_flag(exact, "exact")
+    check_walks(walks)
     if memos is not None and len(memos) != len(walks):
         raise ConnWalkError(f"memos must give one Memo per walk: {len(memos)} for {len(walks)}.")
     if not walks:

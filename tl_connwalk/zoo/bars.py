@@ -12,6 +12,8 @@ import importlib
 from collections.abc import Iterator
 from unittest import mock
 
+from tl_connwalk.core.checks import check_flag
+
 
 @contextlib.contextmanager
 def progress_bars(show: bool) -> Iterator[None]:
@@ -20,7 +22,7 @@ def progress_bars(show: bool) -> Iterator[None]:
     >>> with progress_bars(False):
     ...     pass
     """
-    if show:
+    if check_flag(show, "progress"):
         yield
         return
     from transformers.utils import logging as hf_logging

