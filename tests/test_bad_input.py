@@ -56,6 +56,10 @@ class World:
         return tl_connwalk.attribute(self.model, self.tokens)
 
     @functools.cached_property
+    def estimate(self) -> tl_connwalk.Attribution:
+        return tl_connwalk.attribute(self.model, self.tokens, method="knockout_estimate")
+
+    @functools.cached_property
     def knockout(self) -> tl_connwalk.Attribution:
         return tl_connwalk.attribute(self.model, self.tokens, method="knockout")
 
@@ -227,7 +231,6 @@ def transport_rows(name: str) -> list[Row]:
 
 
 #: rows that fail where the input is checked in tl_connwalk/attribution/api.py and frozen.py
-ATTRIBUTE = "attribute checks its input in attribution/api.py, not yet these"
 #: rows that fail where a page is written, tl_connwalk/views (View.save, token_labels, walk_data)
 VIEWS = "the views check paths, labels and contributions in tl_connwalk/views, not yet these"
 
@@ -450,7 +453,6 @@ ROWS: list[Row] = [
     ),
     *rows(
         "tl_connwalk.attribute",
-        xfail=ATTRIBUTE,
         input_tokens_outside_vocabulary=lambda w: tl_connwalk.attribute(w.model, w.tokens + 1000),
         input_negative_tokens=lambda w: tl_connwalk.attribute(w.model, -w.tokens - 1),
     ),
@@ -638,6 +640,12 @@ ROWS: list[Row] = [
         max_length_negative=lambda w: w.attribution.routes(max_length=-1),
         max_length_a_float=lambda w: w.attribution.routes(max_length=1.5),
         not_a_connection_attribution=lambda w: w.knockout.routes(),
+    ),
+    *rows(
+        "Attribution.verify",
+        not_a_knockout_estimate=lambda w: w.attribution.verify(2),
+        k_negative=lambda w: w.estimate.verify(-1),
+        k_a_string=lambda w: w.estimate.verify("2"),
     ),
     *rows(
         "Attribution.route_remainder",

@@ -44,6 +44,12 @@ def _tokens(
                 f"{tuple(input.shape)}."
             )
         tokens = input if input.ndim == 2 else input[None]
+        d_vocab = int(getattr(model.cfg, "d_vocab", 0) or 0)
+        if tokens.numel() and d_vocab and (tokens.min() < 0 or tokens.max() >= d_vocab):
+            raise ConnWalkError(
+                f"tokens must be ids in 0..{d_vocab - 1} (this model's vocabulary); got "
+                f"{int(tokens.min())}..{int(tokens.max())}. Pass the ids model.to_tokens gives."
+            )
         return tokens, _checked_mask(attention_mask, tokens)
     if isinstance(input, str):
         input = [input]
