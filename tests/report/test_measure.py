@@ -44,7 +44,8 @@ def test_it_reads_the_edges_only():
 
 def test_every_pair_of_positions_is_reversible():
     full = walk_of(torch.randn(2, 2, 5, 5, generator=torch.Generator().manual_seed(2)))
-    assert torch.equal(uniform_reversibility(full), torch.zeros(2))  # U symmetric, mu uniform
+    # U is symmetric and its stationary mu uniform, up to the rounding of mu's float64 solve
+    assert uniform_reversibility(full).max() <= 5 * torch.finfo(torch.float64).eps
 
 
 def test_padding_is_left_out():

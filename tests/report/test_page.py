@@ -9,6 +9,7 @@ import re
 import matplotlib.image
 import pandas as pd
 import pytest
+import torch
 from rich.console import Console
 
 from tl_connwalk.report import ReportConfig, figures, html, run_report
@@ -161,7 +162,7 @@ def test_constant_columns_are_explained_not_repeated(summary, page):
     for column, value in constant.items():
         assert f"{html.COLUMNS[column]}: {value:.4f} on every layer" in table
     assert html.CONSTANT_REASONS["head_defect_baseline"] in table
-    varying = summary.assign(head_defect_baseline=summary["head_defect_baseline"] + summary["layer"])
+    varying = summary.assign(head_defect_baseline=summary["layer"] / 10)
     assert "head_defect_baseline" not in html.constant_columns(varying)
     assert html.constant_columns(summary.iloc[:1]) == {}
 
@@ -173,6 +174,7 @@ def test_a_bidirectional_report_draws_the_pairing_beside_random_transports(tmp_p
     for suffix in ("", "_nosink"):
         assert frame[f"pairing{suffix}"].notna().all()
         assert frame[f"pairing{suffix}_baseline"].notna().all()
-    assert (frame["reversibility_baseline"] == 0).all()  # every pair of positions: reversible
+    # every pair of positions: reversible, up to the rounding of mu's float64 solve
+    assert (frame["reversibility_baseline"] <= 16 * torch.finfo(torch.float64).eps).all()
     page = html_lib.unescape((out / "index.html").read_text(encoding="utf-8"))
     assert "vs random" in re.search(r"\(C3\) pairing [^<]*", page).group(0)

@@ -19,6 +19,7 @@ from matplotlib.artist import Artist
 from matplotlib.axes import Axes
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
+from matplotlib.layout_engine import ConstrainedLayoutEngine
 from matplotlib.ticker import MaxNLocator
 
 DPI = 110
@@ -45,9 +46,7 @@ def _layer_axis(ax: Axes, label: str = "layer") -> None:
 
 def _figure(height: float) -> Figure:
     """A `WIDTH` by ``height`` inch figure whose layout keeps every label inside it."""
-    fig = Figure(figsize=(WIDTH, height), layout="constrained")
-    fig.get_layout_engine().set(w_pad=0.08, h_pad=0.08)  # type: ignore[union-attr]
-    return fig
+    return Figure(figsize=(WIDTH, height), layout=ConstrainedLayoutEngine(w_pad=0.08, h_pad=0.08))
 
 
 def _save(fig: Figure, path: Path) -> Path:

@@ -163,9 +163,11 @@ def pairing_baseline(
     """
     bases = random_baselines(
         {
-            "pairing": lambda W_V, W_O: markov.pairing_residual(
-                walk.walk, walk.gates, W_V, W_O, exclude_sink=exclude_sink, edges=walk.edges()
-            ).residual
+            "pairing": lambda W_V, W_O: (
+                markov.pairing_residual(
+                    walk.walk, walk.gates, W_V, W_O, exclude_sink=exclude_sink, edges=walk.edges()
+                ).residual
+            )
         },
         walk.W_V,
         walk.W_O,
@@ -201,9 +203,7 @@ def measure(
         pairing = {}
         if with_sink.pairing is not None:  # some sequence has an edge both ways
             pairing = {
-                name: pairing_baseline(
-                    walk, exclude_sink=exclude, draws=baseline_draws, seed=seed
-                )
+                name: pairing_baseline(walk, exclude_sink=exclude, draws=baseline_draws, seed=seed)
                 for name, exclude in (("with_sink", False), ("without_sink", True))
             }
         records.append(

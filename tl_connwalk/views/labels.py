@@ -56,16 +56,17 @@ def target_label(label: str, model: Any = None) -> str:
 
 
 def decoded_target(label: str, tokenizer: Any) -> str:
-    """A target label with every ``logit[id]`` written ``logit[id ‘token’]``, the token
-    ``tokenizer.decode([id])`` (any tokenizer with ``decode``, e.g. ``model.tokenizer``).
+    """A target label with every ``logit[id]`` followed by its token: ``logit[id 'token']``
+    with the token ``tokenizer.decode([id])`` in curly single quotes (U+2018, U+2019), for any
+    tokenizer with ``decode`` (e.g. ``model.tokenizer``).
 
     The rest of the label (differences, ``@ position``) is kept as it is; a label without
     logits comes back unchanged.
 
     >>> class Letters:
     ...     def decode(self, ids): return "".join(chr(ord("a") + i) for i in ids)
-    >>> decoded_target("logit[2] - logit[0] @ 5", Letters())
-    'logit[2 ‘c’] - logit[0 ‘a’] @ 5'
+    >>> print(ascii(decoded_target("logit[2] - logit[0] @ 5", Letters())))
+    'logit[2 \\u2018c\\u2019] - logit[0 \\u2018a\\u2019] @ 5'
     """
     return re.sub(
         r"logit\[(\d+)\]",

@@ -9,7 +9,7 @@ heatmap's colour bar states its scale.
 """
 
 from collections.abc import Sequence
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
 
@@ -35,10 +35,6 @@ class ShownWalk(Protocol):
     def kv_heads(self) -> Sequence[int] | None: ...
 
 
-#: how a view maps numbers to colours: ``log10`` of the value, or the value itself
-ColourScale = Literal["log", "linear"]
-
-
 def walk_view(
     walk: ShownWalk,
     *,
@@ -46,7 +42,7 @@ def walk_view(
     edge_contributions: Tensor | None = None,
     head_contributions: Tensor | None = None,
     norms: bool = False,
-    colour_scale: ColourScale = "log",
+    colour_scale: str = "log",
 ) -> View:
     """The `View` of ``walk`` (`walk_data` gathers its numbers).
 
@@ -72,7 +68,7 @@ def walk_data(
     edge_contributions: Tensor | None = None,
     head_contributions: Tensor | None = None,
     norms: bool = False,
-    colour_scale: ColourScale = "log",
+    colour_scale: str = "log",
 ) -> dict[str, Any]:
     """What the page embeds, per sequence ``b`` (``data["sequences"][b]``):
 
@@ -85,9 +81,10 @@ def walk_data(
     ``[query, key]`` shown on load: the last real query and its heaviest key (largest
     ``W_ij``). ``norms``: the contributions are the norms of
     `ConnectionWalk.edge_contributions` (the page names them so: per-head norms do not add up
-    to the edge's). ``colour_scale``: ``"log"`` (default) or ``"linear"``, the page's initial
-    colour scale. The page holds ``O(batch H n^2)`` numbers, each with
-    `tl_connwalk.views.numbers.DIGITS` significant digits.
+    to the edge's). ``colour_scale``: ``"log"`` (default: colours follow ``log10`` of the
+    value, over at most 4 decades below the largest) or ``"linear"``, the page's initial
+    colour scale (a switch on the page changes it). The page holds ``O(batch H n^2)``
+    numbers, each with `tl_connwalk.views.numbers.DIGITS` significant digits.
 
     >>> walk_data(walk)["sequences"][0]["gates"][0][0][0] == round(walk.gates[0, 0, 0, 0].item(), 6)
     True
