@@ -1,12 +1,15 @@
-"""The report's page: every symbol it shows is defined, processing reads as a list, and the
-residual figure leaves out panels with nothing to show (saying so in words)."""
+"""The report's page: every symbol it shows is defined, processing reads as a list, the
+residual figure leaves out panels with nothing to show (saying so in words), every defect has
+its baseline, the figures have one width, and constant columns are explained, not repeated."""
 
 import html as html_lib
 import json
 import re
 
+import matplotlib.image
 import pandas as pd
 import pytest
+import torch
 from rich.console import Console
 
 from tl_connwalk.report import ReportConfig, figures, html, run_report
@@ -105,16 +108,73 @@ def test_residual_figure_draws_the_panels_left(summary, tmp_path, informative, m
     noise = 16 * 1.2e-7
     frame = summary.assign(stochasticity=noise / 2)
     if informative:
-        frame = frame.assign(stochasticity=10 * noise, pairing=0.5, pairing_nosink=0.4)
+        frame = frame.assign(
+            stochasticity=10 * noise,
+            pairing=0.5,
+            pairing_nosink=0.4,
+            pairing_baseline=1.4,
+            pairing_baseline_std=0.01,
+            pairing_nosink_baseline=1.4,
+            pairing_nosink_baseline_std=0.01,
+        )
     drawn = []
     for name, draw in figures.RESIDUAL_PANELS.items():
         monkeypatch.setitem(
             figures.RESIDUAL_PANELS,
             name,
-            lambda ax, s, d, name=name, draw=draw: (drawn.append(name), draw(ax, s, d)),
+            lambda ax, s, d, n, name=name, draw=draw: (drawn.append(name), draw(ax, s, d, n)),
         )
     path = figures.residual_components(frame, 2, "toy", tmp_path / "residual.png", noise)
     assert path.read_bytes().startswith(b"\x89PNG")
     omitted = figures.residual_omissions(frame, noise)
     assert drawn == [name for name in figures.RESIDUAL_PANELS if name not in omitted]
     assert ("pairing" in drawn) == informative
+
+
+def test_every_figure_has_one_width(report):
+    widths = {png.name: matplotlib.image.imread(png).shape[1] for png in report.glob("*.png")}
+    assert len(widths) == len(figures.FIGURES)
+    assert set(widths.values()) == {round(figures.WIDTH * figures.DPI)}, widths
+
+
+def test_every_defect_has_its_baseline(summary, page):
+    """Reversibility beside the uniform walk on the same edges; the rest beside random draws."""
+    assert summary["reversibility_baseline"].between(0, 1).all()
+    assert (summary["reversibility_baseline"] > 0).all()  # a causal walk's edges are not reversible
+    for column in ("head_defect", "transport_defect", "field_defect"):
+        assert summary[f"{column}_baseline"].notna().all()
+        assert (summary[f"{column}_baseline_std"] >= 0).all()
+    intro = page[: page.index("<h2>Findings</h2>")]
+    assert "uniform walk on the same edges" in intro and "float-rounding bounds" in intro
+    findings = re.search(r"<h2>Findings</h2><ul>(.*?)</ul>", page, re.DOTALL)
+    assert findings and "for the uniform walk on the same edges" in findings.group(1)
+
+
+def test_constant_columns_are_explained_not_repeated(summary, page):
+    """The random heads' δ does not depend on the layer (δ ignores scale, one seed, one shape):
+    the page gives its value once, with the reason, instead of a column of equal numbers."""
+    constant = html.constant_columns(summary)
+    assert "head_defect_baseline" in constant
+    assert summary["head_defect_baseline"].nunique() == 1
+    table = page[page.index("<h2>Summary by layer") :]
+    headers = re.findall(r"<th>(.*?)</th>", table)
+    assert "head δ random" not in headers and "head δ (mean)" in headers
+    for column, value in constant.items():
+        assert f"{html.COLUMNS[column]}: {value:.4f} on every layer" in table
+    assert html.CONSTANT_REASONS["head_defect_baseline"] in table
+    varying = summary.assign(head_defect_baseline=summary["layer"] / 10)
+    assert "head_defect_baseline" not in html.constant_columns(varying)
+    assert html.constant_columns(summary.iloc[:1]) == {}
+
+
+def test_a_bidirectional_report_draws_the_pairing_beside_random_transports(tmp_path):
+    out = tmp_path / "bert"
+    run_report(ReportConfig(out=out, **(QUICK | {"model": "toy-bert"})), Console(quiet=True))
+    frame = pd.DataFrame(json.loads((out / "report.json").read_text())["summary"])
+    for suffix in ("", "_nosink"):
+        assert frame[f"pairing{suffix}"].notna().all()
+        assert frame[f"pairing{suffix}_baseline"].notna().all()
+    # every pair of positions: reversible, up to the rounding of mu's float64 solve
+    assert (frame["reversibility_baseline"] <= 16 * torch.finfo(torch.float64).eps).all()
+    page = html_lib.unescape((out / "index.html").read_text(encoding="utf-8"))
+    assert "vs random" in re.search(r"\(C3\) pairing [^<]*", page).group(0)

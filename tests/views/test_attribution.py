@@ -1,6 +1,7 @@
 """`Attribution.to_html`: the page embeds the attribution's own numbers, and nothing unsafe."""
 
 import functools
+import types
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from tests.views.pages import RTOL, Page
 from tl_connwalk import Attribution, ConnWalkError
 from tl_connwalk.attribution.routes import Route
 from tl_connwalk.attribution.view import attribution_data
+from tl_connwalk.views.labels import decoded_target, target_label
 
 HOSTILE = "</script><img src=x onerror=alert(1)>"
 
@@ -59,6 +61,27 @@ def test_page_holds_the_scores_targets_and_components(tmp_path):
         assert seq["position"] == 6 and seq["target"] == result.targets[b]
         assert seq["tokens"] == [f"#{t}" for t in result.tokens[b].tolist()]
         assert seq["routes"] is None
+
+
+def test_the_page_opens_on_the_largest_source():
+    result = attribution()
+    for b, seq in enumerate(attribution_data(result)["sequences"]):
+        scores = result.scores[b].abs()
+        assert scores[seq["selected"]] == scores.max()
+
+
+def test_decoded_target_writes_each_logits_token():
+    class Letters:
+        def decode(self, ids: list[int]) -> str:
+            return "".join(chr(ord("a") + i) for i in ids)
+
+    label = "logit[11] - logit[7] @ 22"
+    quoted = "logit[11 \u2018l\u2019] - logit[7 \u2018h\u2019] @ 22"
+    assert decoded_target(label, Letters()) == quoted
+    assert decoded_target("direction @ 4", Letters()) == "direction @ 4"
+    model = types.SimpleNamespace(tokenizer=Letters())
+    assert target_label(label, model) == decoded_target(label, Letters())
+    assert target_label(label) == label  # without a model the ids stay
 
 
 def test_grid_places_each_component_at_its_layer_and_head():
@@ -153,8 +176,10 @@ def test_a_baseline_has_scores_only_and_says_why():
     seq = data["sequences"][0]
     close(seq["scores"], attribution("rollout").scores[0])
     assert seq["components"] is None and seq["edges"] is None and data["components"] is None
-    assert "method='connection'" in data["notes"]["components"]
-    assert "method='connection'" in data["notes"]["edges"]
+    assert seq["routes"] is None and seq["layer_totals"] is None
+    for part in ("components", "edges", "routes"):
+        assert "method='connection'" in data["notes"][part]
+    assert "method='rollout'" in data["notes"]["routes"]
 
 
 def test_bad_arguments_are_refused():

@@ -45,13 +45,33 @@ def test_page_holds_the_walk_gates_and_padding(tmp_path):
     assert data["sequences"][1]["real"] == [True] * 4 + [False] * 2
 
 
-def test_edge_contributions_are_drawn_by_default(tmp_path):
+def test_edge_contributions_are_drawn_by_default_and_named_norms(tmp_path):
     walk = padded_walk()
     contributions = walk.edge_contributions()
     data = Page(walk.to_html(tmp_path / "w.html").read_text(encoding="utf-8")).data()
+    assert data["norms"] is True
     for b, seq in enumerate(data["sequences"]):
         close(seq["edge"], contributions.edge[b])
         close(seq["head"], contributions.head[b])
+    edge = torch.rand(2, 6, 6)
+    given = Page(walk.to_html(tmp_path / "g.html", edge_contributions=edge).read_text("utf-8"))
+    assert given.data()["norms"] is False  # numbers of the caller's own: not called norms
+
+
+def test_colours_are_log_scaled_by_default():
+    walk = padded_walk()
+    assert walk_data(walk)["colour_scale"] == "log"
+    assert walk_data(walk, colour_scale="linear")["colour_scale"] == "linear"
+    with pytest.raises(ConnWalkError, match="colour_scale must be 'log' or 'linear'"):
+        walk_data(walk, colour_scale="sqrt")
+
+
+def test_the_page_opens_on_the_last_real_querys_heaviest_edge():
+    walk = padded_walk()
+    for b, seq in enumerate(walk_data(walk)["sequences"]):
+        query = int(walk.attention_mask[b].nonzero().max())
+        assert query == (5, 3)[b]
+        assert seq["selected"] == [query, int(walk.walk[b, query].argmax())]
 
 
 def test_contributions_given_are_embedded_per_edge_and_per_head():

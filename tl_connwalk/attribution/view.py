@@ -79,6 +79,8 @@ def attribution_data(
     - ``tokens`` (labels, see `tl_connwalk.views.labels.token_labels`), ``scores``
       (``result.scores[b]``), ``position``, ``target`` (the label, its token ids decoded
       with ``model``'s tokenizer), ``target_value``, ``bias``;
+    - ``selected``: the source shown on load, the one with the largest ``|score|`` (the
+      first of equal ones);
     - ``components`` ``[component][source]``: ``result.by_component()[b]``, laid out on the
       grid by ``data["components"]`` (``names``, and each one's ``layer`` and ``column``:
       head ``h`` in column ``h``, the MLP in column ``n_heads``; layer ``-1`` off the grid);
@@ -88,9 +90,10 @@ def attribution_data(
     - ``layer_totals[l]``: ``sum_{h,i,j} e^{l,h}_ij``, what all the edges of layer ``l`` carry;
     - ``routes``: the given routes of that sequence, largest ``|contribution|`` first.
 
-    Fields a method does not define (``by_component`` and ``edges`` belong to
-    ``method="connection"``) are ``None``, with the reason in ``data["notes"]``. Numbers keep
-    `tl_connwalk.views.numbers.DIGITS` significant digits.
+    Fields a method does not define (``by_component``, ``edges`` and routes belong to
+    ``method="connection"``) are ``None``, with the reason in ``data["notes"]``; the page then
+    shows the scores alone. Numbers keep `tl_connwalk.views.numbers.DIGITS` significant
+    digits.
 
     >>> data = attribution_data(tl_connwalk.attribute(model, tokens), top_edges=3)
     >>> len(data["sequences"]), len(data["sequences"][0]["edges"][0])
@@ -110,6 +113,7 @@ def attribution_data(
                 "tokens": labels[b],
                 "scores": as_lists(result.scores[b]),
                 "position": int(result.position[b]),
+                "selected": int(result.scores[b].abs().argmax()),
                 "target": target_label(result.targets[b], model),
                 "target_value": rounded(float(result.target_value[b])),
                 "bias": rounded(float(result.bias[b])),
@@ -119,11 +123,16 @@ def attribution_data(
                 "routes": None,
             }
         )
-    routes_note = (
-        "No routes given: pass routes=k (the k largest of each sequence) or routes=[...]."
-        if routes is None
-        else None
-    )
+    routes_note = None
+    if routes is None and result.method != "connection":
+        routes_note = (
+            f"No routes: routes belong to method='connection' (the frozen network, spec §6); "
+            f"this attribution was made with method={result.method!r}."
+        )
+    elif routes is None:
+        routes_note = (
+            "No routes given: pass routes=k (the k largest of each sequence) or routes=[...]."
+        )
     if routes is not None:
         for b, listed in enumerate(_routes_by_sequence(routes, batch, n_pos, names)):
             sequences[b]["routes"] = listed

@@ -1,9 +1,13 @@
 """The report's figures, as PNG files: walks, head defects, drift, the residual and the scale.
 
 Each figure says in its title what is plotted and in which units (every quantity here is
-dimensionless), labels both axes and draws the random baseline beside every defect (spec §3: a
-defect means little without one). Built on ``matplotlib.figure.Figure`` with the Agg canvas,
-never ``pyplot``: no global backend or state is touched.
+dimensionless), labels both axes and draws its baseline beside every defect (spec §3: a defect
+means little without one): random transports for the transport defects and the pairing, as a
+band of mean ± `BAND` standard deviations (the page's "below the baseline" is below that
+band); the uniform walk on the same edges for reversibility; float rounding for stochasticity
+and the identity. Every figure is `WIDTH` inches wide at `DPI`, so all have one pixel width
+and the page shows them at one scale. Built on ``matplotlib.figure.Figure`` with the Agg
+canvas, never ``pyplot``: no global backend or state is touched.
 """
 
 from collections.abc import Sequence
@@ -11,12 +15,18 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from matplotlib.artist import Artist
 from matplotlib.axes import Axes
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
+from matplotlib.layout_engine import ConstrainedLayoutEngine
 from matplotlib.ticker import MaxNLocator
 
 DPI = 110
+#: every figure's width in inches (at `DPI`: 1100 pixels)
+WIDTH = 10.0
+#: the baseline band's half-width in standard deviations over the draws
+BAND = 2
 SINK_STYLES = {
     "": ("with sink (key 0 kept)", "C0", "-"),
     "_nosink": ("no sink (key 0 dropped)", "C2", "--"),
@@ -24,6 +34,8 @@ SINK_STYLES = {
 BASELINE_COLOR = "C1"
 #: the identity check's pass bound (relative error, float32)
 IDENTITY_BOUND = 1e-5
+#: the residual figure's height per row of panels, in inches
+PANEL_HEIGHT = 3.4
 
 
 def _layer_axis(ax: Axes, label: str = "layer") -> None:
@@ -32,16 +44,32 @@ def _layer_axis(ax: Axes, label: str = "layer") -> None:
     ax.grid(alpha=0.3)
 
 
+def _figure(height: float) -> Figure:
+    """A `WIDTH` by ``height`` inch figure whose layout keeps every label inside it."""
+    return Figure(figsize=(WIDTH, height), layout=ConstrainedLayoutEngine(w_pad=0.08, h_pad=0.08))
+
+
 def _save(fig: Figure, path: Path) -> Path:
-    # "tight" grows the canvas to every label, which constrained layout alone can clip
-    fig.savefig(path, dpi=DPI, bbox_inches="tight", pad_inches=0.15)
+    # the figure's own size, not "tight": every PNG has the same width in pixels
+    fig.savefig(path, dpi=DPI)
     return path
+
+
+def _band(
+    ax: Axes, layers: np.ndarray, mean: np.ndarray, std: np.ndarray, color: str, label: str
+) -> None:
+    """The random baseline: its mean dotted, mean ± `BAND` std shaded and outlined."""
+    low, high = mean - BAND * std, mean + BAND * std
+    ax.fill_between(layers, low, high, color=color, alpha=0.35, linewidth=0, label=label)
+    for edge in (low, high):
+        ax.plot(layers, edge, color=color, linewidth=0.9, alpha=0.9)
+    ax.plot(layers, mean, color=color, linestyle=":", linewidth=1.8)
 
 
 def walk_heatmaps(walks: dict[int, np.ndarray], subtitle: str, path: Path) -> Path:
     """``W_ij`` of each layer in ``walks`` (sequence 0) on a log colour scale; zeros grey."""
     layers = sorted(walks)
-    fig = Figure(figsize=(4.2 * len(layers) + 1.0, 5.0), layout="constrained")
+    fig = _figure(4.6)
     axes = fig.subplots(1, len(layers), squeeze=False)[0]
     positive = [w[w > 0] for w in walks.values()]
     floor = max(1e-4, min(float(p.min()) for p in positive if p.size))
@@ -63,29 +91,42 @@ def walk_heatmaps(walks: dict[int, np.ndarray], subtitle: str, path: Path) -> Pa
     return _save(fig, path)
 
 
-def _baseline_band(ax: Axes, frame: pd.DataFrame, column: str, label: str) -> None:
-    mean = frame[f"{column}_baseline"].to_numpy()
-    std = frame[f"{column}_baseline_std"].to_numpy()
-    layers = frame["layer"].to_numpy()
-    ax.plot(layers, mean, color=BASELINE_COLOR, linestyle=":", label=label)
-    ax.fill_between(layers, mean - std, mean + std, color=BASELINE_COLOR, alpha=0.25)
+def _baseline_band(ax: Axes, frame: pd.DataFrame, column: str, color: str, label: str) -> None:
+    _band(
+        ax,
+        frame["layer"].to_numpy(),
+        frame[f"{column}_baseline"].to_numpy(),
+        frame[f"{column}_baseline_std"].to_numpy(),
+        color,
+        label,
+    )
+
+
+def _random_label(draws: int) -> str:
+    return f"random transports: mean ± {BAND} std ({draws} draws)"
 
 
 def head_defects(heads: pd.DataFrame, draws: int, subtitle: str, path: Path) -> Path:
-    """Every head's ``delta(T^h)`` by layer, their mean, and the random baseline mean +- std."""
-    fig = Figure(figsize=(8.5, 4.8), layout="constrained")
+    """Every head's ``delta(T^h)`` by layer, their mean, and the random baseline (`_band`).
+
+    The baseline is the same on every layer when the layers' heads have one shape: ``delta``
+    ignores the scale, so the matched head norms do not enter, and the draws use one seed.
+    """
+    fig = _figure(4.8)
     ax = fig.subplots()
     ax.scatter(heads["layer"], heads["head_defect"], s=10, color="0.55", label="one head")
     by_layer = heads.groupby("layer", as_index=False).mean(numeric_only=True)
     ax.plot(by_layer["layer"], by_layer["head_defect"], color="C0", marker="o", ms=3,
             label="mean over heads")  # fmt: skip
     _baseline_band(
-        ax, by_layer, "head_defect", f"random factors, same norms: mean ± std ({draws} draws)"
-    )
+        ax, by_layer, "head_defect", BASELINE_COLOR,
+        f"random heads of the same shapes, mean over heads: mean ± {BAND} std ({draws} draws)"
+        "\n(one value on every layer: δ ignores the heads' norms)",
+    )  # fmt: skip
     _layer_axis(ax)
-    ax.set_ylabel("isometry defect δ(T^h) (0 = scaled partial isometry)")
+    ax.set_ylabel("isometry defect δ(T^h)\n(0 = scaled partial isometry)")
     ax.set_ylim(bottom=0)
-    ax.legend(loc="best", fontsize="small")
+    ax.legend(loc="upper right", fontsize="small", framealpha=0.9)
     fig.suptitle(
         "Head transport defects δ(W_V^h W_O^h), rank r = d_head (dimensionless)\n" + subtitle
     )
@@ -94,7 +135,7 @@ def head_defects(heads: pd.DataFrame, draws: int, subtitle: str, path: Path) -> 
 
 def layer_drift(drift: dict[str, np.ndarray], subtitle: str, path: Path) -> Path:
     """Layer drift ``(1/n) sum_i TV(W^l_i., W^{l+1}_i.)`` by layer, with and without the sink."""
-    fig = Figure(figsize=(8.5, 4.6), layout="constrained")
+    fig = _figure(4.6)
     ax = fig.subplots()
     for key, suffix in (("with_sink", ""), ("without_sink", "_nosink")):
         label, color, style = SINK_STYLES[suffix]
@@ -102,7 +143,7 @@ def layer_drift(drift: dict[str, np.ndarray], subtitle: str, path: Path) -> Path
         ax.plot(np.arange(len(values)), values, color=color, linestyle=style, marker="o", ms=3,
                 label=label)  # fmt: skip
     _layer_axis(ax, "layer l (drift from layer l to l + 1)")
-    ax.set_ylabel("mean total variation between rows of W^l and W^(l+1)")
+    ax.set_ylabel("mean total variation\nbetween rows of W^l and W^(l+1)")
     ax.set_ylim(0, 1.05 * max(1e-3, *(float(np.max(v)) for v in drift.values() if len(v))))
     ax.legend(loc="best", fontsize="small")
     fig.suptitle(
@@ -113,16 +154,14 @@ def layer_drift(drift: dict[str, np.ndarray], subtitle: str, path: Path) -> Path
 
 
 def _defect_panel(ax: Axes, summary: pd.DataFrame, column: str, draws: int) -> None:
+    """``column`` with and without the sink, each beside its random baseline band."""
     for suffix, (label, color, style) in SINK_STYLES.items():
         name = column + suffix
+        if summary[name].isna().all():
+            continue
         ax.plot(summary["layer"], summary[name], color=color, linestyle=style, marker="o",
                 ms=3, label=label)  # fmt: skip
-        mean = summary[f"{name}_baseline"].to_numpy()
-        std = summary[f"{name}_baseline_std"].to_numpy()
-        ax.plot(summary["layer"], mean, color=color, linestyle=":", alpha=0.9,
-                label=f"random ± std ({draws} draws), {label}")  # fmt: skip
-        ax.fill_between(summary["layer"], mean - std, mean + std, color=color, alpha=0.2)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1, fontsize="x-small")
+        _baseline_band(ax, summary, name, color, f"{_random_label(draws)}, {label}")
 
 
 def residual_omissions(summary: pd.DataFrame, noise: float) -> dict[str, str]:
@@ -155,53 +194,58 @@ def residual_omissions(summary: pd.DataFrame, noise: float) -> dict[str, str]:
     return omitted
 
 
-def _stochasticity_panel(ax: Axes, summary: pd.DataFrame, draws: int) -> None:
-    ax.plot(summary["layer"], summary["stochasticity"], marker="o", ms=3, color="C0")
+def _stochasticity_panel(ax: Axes, summary: pd.DataFrame, draws: int, noise: float) -> None:
+    ax.plot(summary["layer"], summary["stochasticity"], marker="o", ms=3, color="C0",
+            label="measured")  # fmt: skip
+    ax.axhline(noise, color=BASELINE_COLOR, linestyle="--", label=f"float rounding {noise:.1e}")
     ax.set_title("(C1) stochasticity\nmax_i |Σ_j W_ij - 1|")
     ax.set_ylabel("residual (0 = rows sum to 1)")
     ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     ax.set_ylim(bottom=0)
+    ax.legend(loc="best", fontsize="small")
 
 
-def _reversibility_panel(ax: Axes, summary: pd.DataFrame, draws: int) -> None:
+def _reversibility_panel(ax: Axes, summary: pd.DataFrame, draws: int, noise: float) -> None:
     mu = ",".join(sorted(set(",".join(summary["mu"]).split(","))))
-    ax.plot(summary["layer"], summary["reversibility"], marker="o", ms=3, color="C0")
+    ax.plot(summary["layer"], summary["reversibility"], marker="o", ms=3, color="C0",
+            label="measured (sink kept)")  # fmt: skip
+    ax.plot(summary["layer"], summary["reversibility_baseline"], color=BASELINE_COLOR,
+            linestyle=":", linewidth=2.2, label="uniform walk on the same edges")  # fmt: skip
     ax.set_title(f"(C2) reversibility (μ: {mu})\n‖M - Mᵀ‖/‖M + Mᵀ‖, M = diag(μ)W")
     ax.set_ylabel("residual (0 = detailed balance)")
     ax.set_ylim(0, 1.05)
+    ax.legend(loc="best", fontsize="small")
 
 
-def _pairing_panel(ax: Axes, summary: pd.DataFrame, draws: int) -> None:
+def _pairing_panel(ax: Axes, summary: pd.DataFrame, draws: int, noise: float) -> None:
+    _defect_panel(ax, summary, "pairing", draws)
     ax.set_title("(C3) pairing, walk-weighted\n‖T_ji - T_ijᵀ‖/‖T_ij‖")
     ax.set_ylabel("residual (0 = reverse edge transposes)")
-    for suffix, (label, color, style) in SINK_STYLES.items():
-        ax.plot(summary["layer"], summary["pairing" + suffix], color=color, linestyle=style,
-                marker="o", ms=3, label=label)  # fmt: skip
-    ax.legend(loc="best", fontsize="x-small")
 
 
-def _transport_panel(ax: Axes, summary: pd.DataFrame, draws: int) -> None:
+def _transport_panel(ax: Axes, summary: pd.DataFrame, draws: int, noise: float) -> None:
     _defect_panel(ax, summary, "transport_defect", draws)
     ax.set_title("(C3 up to scale) effective transport defect\nε(T_ij), walk-weighted")
     ax.set_ylabel("Gram defect ε (0 = scaled isometry)")
 
 
-def _field_panel(ax: Axes, summary: pd.DataFrame, draws: int) -> None:
+def _field_panel(ax: Axes, summary: pd.DataFrame, draws: int, noise: float) -> None:
     _defect_panel(ax, summary, "field_defect", draws)
     ax.set_title("field defect\nwalk-weighted CV of ‖x_j T_ij‖/‖x_j‖")
-    ax.set_ylabel("coefficient of variation (0 = one factor)")
+    ax.set_ylabel("coefficient of variation\n(0 = one factor)")
 
 
-def _identity_panel(ax: Axes, summary: pd.DataFrame, draws: int) -> None:
+def _identity_panel(ax: Axes, summary: pd.DataFrame, draws: int, noise: float) -> None:
     errors = summary["identity_error"].clip(lower=1e-17)
     ax.semilogy(summary["layer"], errors, marker="o", ms=3, color="C0", label="measured")
     ax.axhline(IDENTITY_BOUND, color="C3", linestyle="--", label=f"bound {IDENTITY_BOUND:g}")
     ax.set_title("identity\nmax|PX + c - attn out| / max|attn out|")
     ax.set_ylabel("relative error")
-    ax.legend(loc="best", fontsize="x-small")
+    ax.legend(loc="best", fontsize="small")
 
 
-#: the residual figure's panels, in order; `residual_omissions` says which are left out
+#: the residual figure's panels, in order; `residual_omissions` says which are left out.
+#: Each draws itself on an axis from the summary, the baseline draws and the rounding bound.
 RESIDUAL_PANELS = {
     "stochasticity": _stochasticity_panel,
     "reversibility": _reversibility_panel,
@@ -210,37 +254,50 @@ RESIDUAL_PANELS = {
     "field_defect": _field_panel,
     "identity": _identity_panel,
 }
+#: the panels whose series are the sink kept and excluded beside their random bands: one
+#: legend, under the figure or in its empty cell, names them for all
+SHARED_LEGEND = ("pairing", "transport_defect", "field_defect")
 
 
 def residual_components(
     summary: pd.DataFrame, draws: int, subtitle: str, path: Path, noise: float
 ) -> Path:
-    """The laplacian residual's components by layer (spec §2-4), one panel each.
+    """The laplacian residual's components by layer (spec §2-4), one panel each, two a row.
 
     Panels with nothing to show (float rounding only, or not applicable) are left out, as
     `residual_omissions` with the same ``noise`` says; the page states them in words.
     """
     omitted = residual_omissions(summary, noise)
-    panels = [draw for name, draw in RESIDUAL_PANELS.items() if name not in omitted]
-    n_cols = min(3, len(panels))
-    n_rows = -(-len(panels) // n_cols)
-    fig = Figure(figsize=(5 * n_cols, 4.25 * n_rows + 0.5), layout="constrained")
+    names = [name for name in RESIDUAL_PANELS if name not in omitted]
+    n_cols = min(2, len(names))
+    n_rows = -(-len(names) // n_cols)
+    spare = n_rows * n_cols > len(names)
+    fig = _figure(PANEL_HEIGHT * n_rows + (0.8 if spare else 1.5))
     axes = list(fig.subplots(n_rows, n_cols, squeeze=False).flat)
-    for ax, draw in zip(axes, panels, strict=False):
-        draw(ax, summary, draws)
+    handles: dict[str, Artist] = {}
+    for ax, name in zip(axes, names, strict=False):
+        RESIDUAL_PANELS[name](ax, summary, draws, noise)
         _layer_axis(ax)
-    for ax in axes[len(panels) :]:  # the grid's empty cells
-        ax.set_visible(False)
+        if name in SHARED_LEGEND:
+            for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+                handles.setdefault(label, handle)
+    for ax in axes[len(names) :]:  # the grid's empty cell holds the shared legend
+        ax.set_axis_off()
+    if handles and spare:
+        axes[-1].legend(handles.values(), handles.keys(), loc="center", fontsize="small")
+    elif handles:
+        fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncols=2,
+                   fontsize="small")  # fmt: skip
     fig.suptitle(
         "Laplacian residual by layer: how far L = I - P is from a random-walk connection "
-        "Laplacian (all dimensionless; batch means)\n" + subtitle
+        "Laplacian\n(all dimensionless; batch means) " + subtitle
     )
     return _save(fig, path)
 
 
 def effective_scale(summary: pd.DataFrame, subtitle: str, path: Path) -> Path:
     """The common scale ``s`` (walk-weighted ``||T_ij||_F / sqrt(r)``) by layer."""
-    fig = Figure(figsize=(8.5, 4.6), layout="constrained")
+    fig = _figure(4.8)
     ax = fig.subplots()
     values = []
     for suffix, (label, color, style) in SINK_STYLES.items():
@@ -259,9 +316,10 @@ def effective_scale(summary: pd.DataFrame, subtitle: str, path: Path) -> Path:
     _layer_axis(ax)
     ax.legend(loc="best", fontsize="small")
     fig.suptitle(
-        "Effective transport scale s = walk-weighted ‖T_ij‖_F / √r "
-        "(r = min(d_model, H_kv d_head): the rank the transports can have)\n"
-        "(RMS singular value of the edge transports: output norm per unit input norm)\n" + subtitle
+        "Effective transport scale s = walk-weighted ‖T_ij‖_F / √r, "
+        "r = min(d_model, H_kv d_head)\n"
+        "(the RMS singular value of the edge transports, of rank up to r: "
+        "output norm per unit input norm)\n" + subtitle
     )
     return _save(fig, path)
 

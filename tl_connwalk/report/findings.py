@@ -90,23 +90,24 @@ def findings(
     if parts:
         drift_record["text"] = "layer drift by depth: " + "; ".join(parts)
         out["drift"] = drift_record
-    rev = summary["reversibility"]
+    rev, uniform = summary["reversibility"], summary["reversibility_baseline"]
     mus = ",".join(sorted(set(",".join(summary["mu"]).split(","))))
     pairing = summary["pairing"].dropna()
-    pairing_text = (
-        "(C3) pairing not applicable (causal walks)"
-        if pairing.empty
-        else f"(C3) pairing {pairing.min():.3f}..{pairing.max():.3f}"
-    )
+    pairing_text = "(C3) pairing not applicable (causal walks)"
+    if not pairing.empty:
+        base = float(summary["pairing_baseline"].mean())
+        pairing_text = f"(C3) pairing {pairing.min():.3f}..{pairing.max():.3f} vs random {base:.3f}"
     out["reversibility"] = {
         "min": float(rev.min()),
         "median": float(rev.median()),
         "max": float(rev.max()),
+        "uniform_walk_mean": float(uniform.mean()),
         "mu": mus,
         "pairing_applicable": not pairing.empty,
         "text": (
             f"(C2) reversibility (μ: {mus}) {rev.min():.3f}..{rev.max():.3f}, "
-            f"median {rev.median():.3f}; {pairing_text}"
+            f"median {rev.median():.3f} vs {uniform.mean():.3f} for the uniform walk on the "
+            f"same edges; {pairing_text}"
         ),
     }
     return out

@@ -1,8 +1,10 @@
 """``index.html``: the report on one self-contained page (figures inlined, no scripts, no CDN).
 
 The page repeats the report's findings, the run's metadata, every figure (as base64 PNG, so the
-file can be mailed on its own; the PNGs also sit beside it) and the per-layer summary table,
-and defines every symbol they use (`SYMBOLS`), written the same way in each.
+file can be mailed on its own; the PNGs also sit beside it, all one width) and the per-layer
+summary table, and defines every symbol they use (`SYMBOLS`), written the same way in each. A
+column with one value on every layer is not repeated down the table: a line under it gives
+the value and why it does not change (`constant_columns`).
 """
 
 # ruff: noqa: RUF001  (the symbols are written in Unicode, as the page shows them)
@@ -15,6 +17,8 @@ from typing import Any
 
 import pandas as pd
 
+from tl_connwalk.report.figures import BAND
+
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 2em; }
@@ -23,7 +27,7 @@ th, td { border: 1px solid #ccc; padding: 2px 6px; text-align: right; }
 th { background: #f0f0f0; } td:first-child, th:first-child { text-align: left; }
 dl { display: grid; grid-template-columns: max-content auto; gap: 2px 1em; }
 dt { font-weight: 600; } dd { margin: 0; }
-img { max-width: 100%; border: 1px solid #ddd; }
+img { display: block; max-width: 100%; border: 1px solid #ddd; }
 code { background: #f4f4f4; padding: 0 3px; }
 dl.symbols { grid-template-columns: 11em auto; font-size: 0.92em; }
 p.note { font-size: 0.9em; color: #444; margin: 0.3em 0; }
@@ -52,7 +56,9 @@ SYMBOLS: Sequence[tuple[str, str]] = (
         "(C2) reversibility, μ",
         "‖M − Mᵀ‖ / ‖M + Mᵀ‖ with M = diag(μ) W: 0 when the walk is in "
         'detailed balance with μ. μ is the walk\'s stationary distribution ("stationary") or, for '
-        'a walk without a unique one such as a causal walk, uniform ("uniform").',
+        'a walk without a unique one such as a causal walk, uniform ("uniform"). Its baseline, '
+        '"uniform walk": the same residual for the walk that spreads each query evenly over the '
+        "same keys (the transports do not enter (C2), so random ones give no baseline for it).",
     ),
     (
         "(C3) metric compatibility",
@@ -88,9 +94,10 @@ SYMBOLS: Sequence[tuple[str, str]] = (
     ),
     (
         "random, baseline",
-        "the same defect for random Gaussian transports of the same shapes "
-        'and head norms: mean ± standard deviation over the draws. "Below the baseline": below '
-        "its mean minus two standard deviations.",
+        "the same defect for random Gaussian transports of the same shapes, value-head sharing "
+        f"and head norms: mean ± {BAND} standard deviations over the draws, the shaded band in "
+        'the figures. "Below the baseline": below the band, its mean minus two standard '
+        "deviations.",
     ),
 )
 
@@ -110,6 +117,9 @@ COLUMNS = {
     "identity_error": "identity error",
     "stochasticity": "stochasticity (C1)",
     "reversibility": "reversibility (C2)",
+    "reversibility_baseline": "(C2) uniform walk",
+    "pairing": "pairing (C3)",
+    "pairing_baseline": "pairing random",
     "head_defect": "head δ (mean)",
     "head_defect_baseline": "head δ random",
     "transport_defect": "ε",
@@ -175,16 +185,67 @@ def _symbols() -> str:
     return f'<dl class="symbols">{rows}</dl>'
 
 
+#: why a summary column can have one value on every layer
+CONSTANT_REASONS = {
+    "head_defect_baseline": (
+        "δ is invariant under scaling, so the head norms the random heads match do not enter "
+        "it; the random heads have the layers' one shape and are drawn from one seed, so "
+        "their δ is the same on every layer"
+    ),
+    "reversibility_baseline": (
+        "it depends on the walk's edges alone (which keys each query reaches), and every layer "
+        "has the same edges (a causal model's are the causal mask)"
+    ),
+}
+
+
+def constant_columns(summary: pd.DataFrame) -> dict[str, float]:
+    """The table's columns (`COLUMNS`) with one value on every layer, and that value.
+
+    Only over two or more layers, and never ``layer``; a column of NaN (not applicable) is
+    not constant but missing.
+
+    >>> constant_columns(pd.DataFrame({"layer": [0, 1], "head_defect_baseline": [0.2, 0.2]}))
+    {'head_defect_baseline': 0.2}
+    """
+    if len(summary) < 2:
+        return {}
+    return {
+        column: float(summary[column].iloc[0])
+        for column in COLUMNS
+        if column in summary
+        and column != "layer"
+        and summary[column].notna().all()
+        and summary[column].nunique() == 1
+    }
+
+
 def _table(summary: pd.DataFrame) -> str:
-    frame = summary[[c for c in COLUMNS if c in summary]].rename(columns=COLUMNS)
+    """The table of the columns that vary, and a line per constant column under it."""
+    constant = constant_columns(summary)
+    shown = [c for c in COLUMNS if c in summary and c not in constant and summary[c].notna().any()]
+    frame = summary[shown].rename(columns=COLUMNS)
     formatters = {
         COLUMNS["layer"]: str,
         COLUMNS["identity_error"]: lambda v: f"{v:.1e}",
         COLUMNS["stochasticity"]: lambda v: f"{v:.1e}",
     }
-    return frame.to_html(
-        index=False, float_format=lambda v: f"{v:.4f}", formatters=formatters, na_rep="n/a"
+    table = frame.to_html(
+        index=False,
+        float_format=lambda v: f"{v:.4f}",
+        formatters={k: f for k, f in formatters.items() if k in frame},
+        na_rep="n/a",
     )
+    lines = [
+        f"{COLUMNS[column]}: {value:.4f} on every layer"
+        + (f": {CONSTANT_REASONS[column]}" if column in CONSTANT_REASONS else "")
+        + "."
+        for column, value in constant.items()
+    ]
+    if "drift_to_next" in shown and summary["drift_to_next"].isna().any():
+        lines.append("drift n/a: the model's last layer has no layer after it.")
+    notes = "".join(f'<p class="note">{html.escape(line)}</p>\n' for line in lines)
+    return table + "\n" + notes
 
 
 def write_index(
@@ -214,9 +275,12 @@ def write_index(
 <h1>{html.escape(title)}</h1>
 <p>Attention as a connection walk (tl_connwalk): every layer's walk, transports and how far its
 generator is from a random-walk connection Laplacian, (C1) to (C3) below. Every defect is
-shown beside random transports of the same shapes, value-head sharing and norms; "below the
-baseline" means below its mean minus two standard deviations; the symbols are defined under
-"Symbols". Numbers: <code>report.json</code>, <code>geometry.csv</code>.</p>
+shown beside its baseline: the transport defects (δ, ε, field defect) and the pairing beside
+random transports of the same shapes, value-head sharing and norms (the shaded band: mean ±
+{BAND} standard deviations; "below the baseline" means below the band); reversibility, which
+the transports do not enter, beside the uniform walk on the same edges; stochasticity and the
+identity beside their float-rounding bounds. The symbols are defined under "Symbols".
+Numbers: <code>report.json</code>, <code>geometry.csv</code>.</p>
 <h2>Findings</h2><ul>{items}</ul>
 <h2>Run</h2>{_metadata(meta)}
 <h2>Symbols</h2>{_symbols()}

@@ -2,9 +2,10 @@
 
 Per analysed layer: the identity check ``max|apply() + bias() - attention output| /
 max|output|`` (spec §1.2), `laplacian_residual` with the sink kept and
-with it excluded (spec §3-4), and the walk matrix of the heatmap layers; over all layers the
-layer drift (spec §3). `summary_frame` folds the residuals into one row per layer, the table
-the terminal, the figures and the HTML page show.
+with it excluded (spec §3-4), the baselines the residual does not carry (`uniform_reversibility`
+for (C2), `pairing_baseline` for the pairing where it applies) and the walk matrix of the
+heatmap layers; over all layers the layer drift (spec §3). `summary_frame` folds the residuals
+into one row per layer, the table the terminal, the figures and the HTML page show.
 """
 
 import contextlib
@@ -23,18 +24,30 @@ from transformer_lens import ActivationCache
 from tl_connwalk.adapters.versions import is_bridge
 from tl_connwalk.analysis import layer_drift
 from tl_connwalk.cache import connection_walk, required_hooks
+from tl_connwalk.core import markov
+from tl_connwalk.core.baselines import RandomBaseline, random_baselines
+from tl_connwalk.walk import ConnectionWalk
 from tl_connwalk.walk.residual import LaplacianResidual
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerMeasurement:
-    """One layer of the report: its processing, identity error and both laplacian residuals."""
+    """One layer of the report: its processing, identity error, both laplacian residuals and
+    the baselines they do not carry.
+
+    ``uniform_reversibility`` ``[batch]``: `uniform_reversibility` of the layer's walk, the
+    reversibility baseline. ``pairing_baseline``: `pairing_baseline` with the sink kept
+    (``"with_sink"``) and excluded (``"without_sink"``); empty where no walk has an edge
+    both ways (causal walks: the pairing does not apply).
+    """
 
     layer: int
     processing: dict[str, bool]
     identity_error: float
     with_sink: LaplacianResidual
     without_sink: LaplacianResidual
+    uniform_reversibility: Tensor
+    pairing_baseline: dict[str, RandomBaseline]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -44,6 +57,10 @@ class LayerMeasurement:
             "laplacian_residual": {
                 "with_sink": self.with_sink.to_dict(),
                 "without_sink": self.without_sink.to_dict(),
+            },
+            "reversibility_uniform_walk": self.uniform_reversibility.tolist(),
+            "pairing_baseline": {
+                name: base.to_dict() for name, base in self.pairing_baseline.items()
             },
         }
 
@@ -116,6 +133,51 @@ def identity_error(rebuilt: Tensor, reference: Tensor) -> float:
     return error / scale if scale > 0 else error
 
 
+def uniform_reversibility(walk: ConnectionWalk) -> Tensor:
+    """``[batch]``: the reversibility residual (C2) of the uniform walk on ``walk``'s edges.
+
+    Each query's mass spread evenly over its keys, ``U_ij = [W_ij > 0] / #{k: W_ik > 0}``
+    between real positions, measured as the report measures ``W`` (``mu`` its stationary
+    distribution, or uniform where it has none, spec §3). The transports do not enter (C2),
+    so random transports give no baseline for it; this one says how far from detailed balance
+    the edges alone put a walk: a causal walk's edges keep it far, a walk on every pair of
+    positions is reversible (0).
+
+    >>> uniform_reversibility(walk).shape
+    torch.Size([2])
+    """
+    edges = walk.edges().to(walk.walk.dtype)
+    uniform = edges / edges.sum(-1, keepdim=True).clamp_min(1.0)
+    return markov.reversibility_residual(uniform, positions=walk.attention_mask).residual
+
+
+def pairing_baseline(
+    walk: ConnectionWalk, *, exclude_sink: bool, draws: int, seed: int
+) -> RandomBaseline:
+    """The pairing residual (C3) of ``walk``'s walk and gates with random transports.
+
+    The random factors of `tl_connwalk.core.baselines.random_baselines` (same shapes,
+    value-head sharing and head norms; ``draws`` of them from ``seed``), on the walk's own
+    edges and ``exclude_sink`` (spec §3): what the pairing is when nothing pairs the
+    transports.
+    """
+    bases = random_baselines(
+        {
+            "pairing": lambda W_V, W_O: (
+                markov.pairing_residual(
+                    walk.walk, walk.gates, W_V, W_O, exclude_sink=exclude_sink, edges=walk.edges()
+                ).residual
+            )
+        },
+        walk.W_V,
+        walk.W_O,
+        draws,
+        seed=seed,
+        kv_heads=walk.kv_heads,
+    )
+    return bases["pairing"]
+
+
 def measure(
     cache: ActivationCache,
     outputs: dict[int, Tensor],
@@ -137,13 +199,22 @@ def measure(
     for layer in tqdm(layers, desc="residuals", disable=not progress):
         walk = connection_walk(cache, layer, attention_mask=attention_mask)
         options = {"baseline_draws": baseline_draws, "seed": seed}
+        with_sink = walk.laplacian_residual(exclude_sink=False, **options)
+        pairing = {}
+        if with_sink.pairing is not None:  # some sequence has an edge both ways
+            pairing = {
+                name: pairing_baseline(walk, exclude_sink=exclude, draws=baseline_draws, seed=seed)
+                for name, exclude in (("with_sink", False), ("without_sink", True))
+            }
         records.append(
             LayerMeasurement(
                 layer=layer,
                 processing=dict(walk.processing),
                 identity_error=identity_error(walk.apply() + walk.bias(), outputs[layer]),
-                with_sink=walk.laplacian_residual(exclude_sink=False, **options),
+                with_sink=with_sink,
                 without_sink=walk.laplacian_residual(exclude_sink=True, **options),
+                uniform_reversibility=uniform_reversibility(walk),
+                pairing_baseline=pairing,
             )
         )
         if layer in heatmap_layers:
@@ -175,10 +246,12 @@ def _defects(res: LaplacianResidual, name: str, value: Tensor, suffix: str) -> d
 def summary_frame(measurements: Measurements) -> pd.DataFrame:
     """One row per analysed layer (batch means); ``*_nosink`` columns exclude key 0.
 
-    Columns: ``layer``, ``identity_error``, ``stochasticity``, ``reversibility``, ``mu``,
-    ``pairing`` (NaN: not applicable), ``head_defect`` (mean over heads; ``_min``, ``_max``),
-    ``transport_defect``, ``field_defect``, ``scale``, ``drift_to_next``, each defect with
-    ``_baseline`` and ``_baseline_std``, and the walk-weighted ones again as ``*_nosink``.
+    Columns: ``layer``, ``identity_error``, ``stochasticity``, ``reversibility`` with
+    ``reversibility_baseline`` (`uniform_reversibility`), ``mu``, ``pairing`` (NaN: not
+    applicable) with ``pairing_baseline`` and ``pairing_baseline_std`` (`pairing_baseline`),
+    ``head_defect`` (mean over heads; ``_min``, ``_max``), ``transport_defect``,
+    ``field_defect``, ``scale``, ``drift_to_next``, each defect with ``_baseline`` and
+    ``_baseline_std`` (random transports), and the walk-weighted ones again as ``*_nosink``.
     """
     n_transitions = len(measurements.drift["with_sink"])
     rows = []
@@ -190,6 +263,7 @@ def summary_frame(measurements: Measurements) -> pd.DataFrame:
             "identity_error": record.identity_error,
             "stochasticity": _mean(r0.stochasticity),
             "reversibility": _mean(r0.reversibility),
+            "reversibility_baseline": _mean(record.uniform_reversibility),
             "mu": ",".join(sorted(set(r0.mu_kind))),
             "pairing": _mean(r0.pairing),
             "pairing_nosink": _mean(r1.pairing),
@@ -204,6 +278,10 @@ def summary_frame(measurements: Measurements) -> pd.DataFrame:
                 float(measurements.drift["without_sink"][record.layer]) if has_next else math.nan
             ),
         }
+        for name, suffix in (("with_sink", ""), ("without_sink", "_nosink")):
+            base = record.pairing_baseline.get(name)
+            row[f"pairing{suffix}_baseline"] = _mean(None if base is None else base.mean)
+            row[f"pairing{suffix}_baseline_std"] = _mean(None if base is None else base.std)
         row |= _defects(r0, "head_defects", r0.head_defects, "")
         for res, suffix in ((r0, ""), (r1, "_nosink")):
             row |= _defects(res, "transport_defect", res.transport_defect, suffix)

@@ -1,5 +1,6 @@
 """The text a view writes for each position (the token strings, or ``#id`` without a
-tokenizer) and for the target (its token ids decoded)."""
+tokenizer) and for the target (its token ids decoded: `target_label` with a model,
+`decoded_target` with a tokenizer)."""
 
 import re
 from collections.abc import Sequence
@@ -43,14 +44,30 @@ def token_labels(
 
 
 def target_label(label: str, model: Any = None) -> str:
-    """``label`` (e.g. ``logit[17] @ 8``) with each token id followed by its token, quoted.
+    """``label`` (e.g. ``logit[17] @ 8``) with each token id followed by its token, quoted,
+    decoded by ``model``'s tokenizer (`decoded_target`); unchanged without a model.
 
     >>> target_label("logit[17] - logit[4] @ 8")
     'logit[17] - logit[4] @ 8'
     """
     if model is None:
         return label
-    tokenizer = _tokenizer(model)
+    return decoded_target(label, _tokenizer(model))
+
+
+def decoded_target(label: str, tokenizer: Any) -> str:
+    """A target label with every ``logit[id]`` followed by its token: ``logit[id 'token']``
+    with the token ``tokenizer.decode([id])`` in curly single quotes (U+2018, U+2019), for any
+    tokenizer with ``decode`` (e.g. ``model.tokenizer``).
+
+    The rest of the label (differences, ``@ position``) is kept as it is; a label without
+    logits comes back unchanged.
+
+    >>> class Letters:
+    ...     def decode(self, ids): return "".join(chr(ord("a") + i) for i in ids)
+    >>> print(ascii(decoded_target("logit[2] - logit[0] @ 5", Letters())))
+    'logit[2 \\u2018c\\u2019] - logit[0 \\u2018a\\u2019] @ 5'
+    """
     return re.sub(
         r"logit\[(\d+)\]",
         lambda match: f"logit[{match[1]} \u2018{tokenizer.decode([int(match[1])])}\u2019]",

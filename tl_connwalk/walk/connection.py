@@ -11,7 +11,7 @@ import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 from jaxtyping import Bool, Float
@@ -25,6 +25,9 @@ from tl_connwalk.core.generator import ConnectionGenerator
 from tl_connwalk.core.value_heads import KVHeads
 from tl_connwalk.errors import ConnWalkError
 from tl_connwalk.walk import residual
+
+if TYPE_CHECKING:
+    from tl_connwalk.views.page import View
 
 
 def _float_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -383,21 +386,26 @@ class ConnectionWalk:
         head_contributions: Tensor | None = None,
     ) -> None:
         """Display this walk in a Jupyter notebook, as `to_html` draws it."""
+        self._view(str_tokens, edge_contributions, head_contributions).show()
+
+    def _view(
+        self,
+        str_tokens: Sequence[str] | Sequence[Sequence[str]] | None,
+        edge: Tensor | None,
+        head: Tensor | None,
+    ) -> "View":
+        """The page `show` displays and `to_html` writes: with the contributions given, or
+        with the norms of `edge_contributions` (named so on the page)."""
         from tl_connwalk.views import walk_view
 
-        edge, head = self._shown_contributions(edge_contributions, head_contributions)
-        walk_view(
-            self, str_tokens=str_tokens, edge_contributions=edge, head_contributions=head
-        ).show()
-
-    def _shown_contributions(
-        self, edge: Tensor | None, head: Tensor | None
-    ) -> tuple[Tensor | None, Tensor | None]:
-        """What the page draws per edge: the given contributions, or `edge_contributions`."""
-        if edge is None and head is None:
+        norms = edge is None and head is None
+        if norms:
             contributions = self.edge_contributions()
-            return contributions.edge, contributions.head
-        return edge, head
+            edge, head = contributions.edge, contributions.head
+        return walk_view(
+            self, str_tokens=str_tokens, edge_contributions=edge, head_contributions=head,
+            norms=norms,
+        )  # fmt: skip
 
     def to_html(
         self,
@@ -413,21 +421,16 @@ class ConnectionWalk:
         patterns of the edge under the pointer, the incoming edges of a query as arcs, every head's
         gates, and a number per edge (``edge_contributions`` ``[batch, query, key]``) and per head
         and edge (``head_contributions`` ``[batch, head, query, key]``): by default the norms of
-        `edge_contributions`. ``str_tokens`` label the positions (e.g.
-        ``model.to_str_tokens(tokens)``). It loads nothing from anywhere: open it in any browser,
-        offline.
+        `edge_contributions`, named as norms on the page. Colours follow a log scale (a switch on
+        the page makes it linear), stated by each colour bar. ``str_tokens`` label the positions
+        (e.g. ``model.to_str_tokens(tokens)``). It loads nothing from anywhere: open it in any
+        browser, offline.
 
         >>> import tempfile
         >>> walk.to_html(f"{tempfile.mkdtemp()}/walk.html").name
         'walk.html'
         """
-        from tl_connwalk.views import walk_view
-
-        edge, head = self._shown_contributions(edge_contributions, head_contributions)
-        view = walk_view(
-            self, str_tokens=str_tokens, edge_contributions=edge, head_contributions=head
-        )
-        return view.save(path)
+        return self._view(str_tokens, edge_contributions, head_contributions).save(path)
 
     def __repr__(self) -> str:
         batch, n_heads, n_pos, _ = self.gates.shape

@@ -2,15 +2,18 @@
 // and routes, the layer-by-head grid and each layer's strongest edges as arcs.
 
 function renderAttribution(body, data, tip) {
-  const state = { batch: 0, selected: null, pinned: false, layer: null, route: null };
+  // selected: the token shown; chosen: whether the reader picked it (else the default)
+  const state = { batch: 0, selected: null, chosen: false, pinned: false, layer: null, route: null };
   const parts = {};
 
   function seq() { return data.sequences[state.batch]; }
   function tokenName(s) { return "\u2018" + tokenText(seq().tokens[s]) + "\u2019 (" + s + ")"; }
-  function share(value) {
+  // a part's share of the target T (value / T): see the note under the header
+  function percent(value) {
     const total = seq().target_value;
-    return total ? " (" + (100 * value / total).toFixed(1) + "% of the target)" : "";
+    return total ? (100 * value / total).toFixed(1) + "% of T" : null;
   }
+  function share(value) { const p = percent(value); return p ? " (" + p + ")" : ""; }
 
   function header() {
     const s = seq();
@@ -18,39 +21,52 @@ function renderAttribution(body, data, tip) {
       state.batch = b; state.selected = null; state.pinned = false; state.layer = null; draw();
     });
     if (select) select.querySelector("select").value = String(state.batch);
-    return el("div", { class: "cwv-header" },
-      el("span", { class: "cwv-title" }, "Attribution"),
-      el("span", { class: "cwv-sub" }, "method " + data.method),
-      el("span", { class: "cwv-sub mono" }, s.target + " = " + plain(s.target_value)),
-      el("span", { class: "cwv-sub" }, "sources " + signed(s.scores.reduce((a, v) => a + v, 0))
-        + ", bias " + signed(s.bias)),
-      select);
+    const sources = s.scores.reduce((a, v) => a + v, 0);
+    const rest = data.method === "connection" ? "bias (what no source sent)" : "unexplained rest";
+    return el("div", {},
+      el("div", { class: "cwv-header" },
+        el("span", { class: "cwv-title" }, "Attribution"),
+        el("span", { class: "cwv-sub" }, "method " + data.method),
+        el("span", { class: "cwv-sub mono" }, "target T = " + s.target + " = " + plain(s.target_value)),
+        el("span", { class: "cwv-sub" }, "T = sum of the scores " + signed(sources) + " + " + rest + " "
+          + signed(s.bias)),
+        select),
+      el("p", { class: "cwv-note", "data-note": "shares" }, "Percentages are shares of the target: a part's value "
+        + "divided by T = " + plain(s.target_value) + ". Parts have both signs (blue raises T, red lowers it), "
+        + "so one part can be more than 100% of T, or negative, when others pull the other way; the scores "
+        + "and the " + (data.method === "connection" ? "bias" : "rest") + " together make 100%."));
   }
 
   function tokens() {
     const s = seq();
     const max = maxAbs(s.scores);
     const row = el("div", { class: "cwv-tokens" });
-    parts.chips = s.tokens.map((label, i) => {
-      const chip = el("span", {
-        class: "cwv-tok" + (i === s.position ? " target" : ""),
-        "data-pos": String(i),
-        style: { background: diverging(s.scores[i], max), color: inkOn(s.scores[i], max) },
-        on: {
-          mouseenter: () => { if (!state.pinned) select(i); },
-          click: () => {
-            if (state.pinned && state.selected === i) { state.pinned = false; select(null); }
-            else { state.pinned = true; select(i); }
-          },
+    parts.chips = s.tokens.map((label, i) => el("span", {
+      class: "cwv-tok" + (i === s.position ? " target" : ""),
+      "data-pos": String(i),
+      style: { background: diverging(s.scores[i], max), color: inkOn(s.scores[i], max) },
+      on: {
+        mouseenter: () => { if (!state.pinned) select(i, true); },
+        click: () => {
+          if (state.pinned && state.selected === i) { state.pinned = false; select(s.selected, false); }
+          else { state.pinned = true; select(i, true); }
         },
-      }, el("span", { class: "t" }, tokenText(label)), el("span", { class: "v" }, signed(s.scores[i])));
-      row.appendChild(chip);
-      return chip;
+      },
+    }, el("span", { class: "t" }, tokenText(label)), el("span", { class: "v" }, signed(s.scores[i]))));
+    // the target chip wraps together with its neighbour, never onto a line of its own
+    const glued = s.position > 0 ? [s.position - 1, s.position] : [s.position, s.position + 1];
+    parts.chips.forEach((chip, i) => {
+      if (i === glued[0] && glued[1] < parts.chips.length) {
+        row.appendChild(el("span", { class: "cwv-glue" }, chip, parts.chips[glued[1]]));
+      } else if (i !== glued[1]) {
+        row.appendChild(chip);
+      }
     });
-    row.addEventListener("mouseleave", () => { if (!state.pinned) select(null); });
+    row.addEventListener("mouseleave", () => { if (!state.pinned) select(s.selected, false); });
     return el("div", {}, el("h2", {}, "Source tokens, coloured by score"), row,
       divergingLegend(max, "score (blue: raises the target, red: lowers it)"),
-      el("p", { class: "cwv-note" }, "Hover a token to see where its score goes; click to pin it."));
+      el("p", { class: "cwv-note" }, "Shown: the token with the largest |score|. Hover a token to see where "
+        + "its score goes; click to pin it, click again to go back."));
   }
 
   function componentBars(values, names) {
@@ -71,7 +87,7 @@ function renderAttribution(body, data, tip) {
   }
 
   function routeLine(route) {
-    const hops = [el("span", { class: "hop mono" }, "pos " + route.source)];
+    const hops = [el("span", { class: "hop mono" }, tokenName(route.source))];
     for (const c of route.components) hops.push("\u2192", el("span", { class: "hop mono" }, c));
     hops.push("\u2192", el("span", { class: "hop" }, "target"));
     return el("div", { class: "cwv-route", on: {
@@ -84,28 +100,26 @@ function renderAttribution(body, data, tip) {
     const box = parts.details;
     box.textContent = "";
     const s = seq();
-    if (state.selected === null) {
-      box.append(el("div", { class: "big" }, "No token selected"),
-        el("p", { class: "cwv-note" }, "Hover or click a source token above."));
-      if (s.routes && s.routes.length) {
-        box.append(el("h3", {}, "Strongest routes"), ...s.routes.slice(0, 8).map(routeLine));
-      }
-      return;
-    }
     const i = state.selected;
     box.append(el("div", { class: "big" }, tokenName(i) + (i === s.position ? " \u00b7 target position" : "")),
       el("div", {}, "score ", el("b", { class: "mono" }, signed(s.scores[i])), share(s.scores[i])));
     if (s.components) {
-      box.append(el("h3", {}, "Direct paths into the target, from this token"),
-        componentBars(s.components.map((row) => row[i]), data.components.names));
+      const values = s.components.map((row) => row[i]);
+      box.append(el("h3", {}, "Largest direct paths into the target, from this token"),
+        componentBars(values, data.components.names),
+        el("p", { class: "cwv-note" }, "Each component's direct path from this token adds up, over all "
+          + values.length + " components, to its score."));
     }
     box.append(el("h3", {}, "Routes from this token"));
     if (!s.routes) {
       box.append(el("p", { class: "cwv-note" }, data.notes.routes));
-    } else {
-      const mine = s.routes.filter((r) => r.source === i);
-      if (mine.length) box.append(...mine.map(routeLine));
-      else box.append(el("p", { class: "cwv-note" }, "None of the routes shown starts here."));
+      return;
+    }
+    const mine = s.routes.filter((r) => r.source === i);
+    if (mine.length) box.append(...mine.map(routeLine));
+    else box.append(el("p", { class: "cwv-note" }, "None of the " + s.routes.length + " routes listed starts here."));
+    if (s.routes.length > mine.length) {
+      box.append(el("h3", {}, "Strongest routes, from any token"), ...s.routes.slice(0, 8).map(routeLine));
     }
   }
 
@@ -113,7 +127,7 @@ function renderAttribution(body, data, tip) {
     const s = seq();
     const passed = new Set();
     const routes = state.route ? [state.route]
-      : s.routes && state.selected !== null ? s.routes.filter((r) => r.source === state.selected) : [];
+      : s.routes ? s.routes.filter((r) => r.source === state.selected) : [];
     for (const r of routes) for (const c of r.components) passed.add(c);
     return passed;
   }
@@ -124,8 +138,7 @@ function renderAttribution(body, data, tip) {
     box.textContent = "";
     const s = seq();
     const layout = data.components;
-    const values = s.components.map((row) => state.selected === null
-      ? row.reduce((a, v) => a + v, 0) : row[state.selected]);
+    const values = s.components.map((row) => row[state.selected]);
     const inGrid = values.filter((v, k) => layout.layer[k] >= 0);
     const max = maxAbs(inGrid);
     const passed = passedComponents();
@@ -154,11 +167,10 @@ function renderAttribution(body, data, tip) {
       }
       rows.push(row);
     }
-    const from = state.selected === null ? "summed over the source tokens" : "from " + tokenName(state.selected);
     const others = layout.names.map((name, k) => k).filter((k) => layout.layer[k] < 0);
-    box.append(el("h2", {}, "Each head's direct path into the target, " + from),
+    box.append(el("h2", {}, "Each head's direct path into the target, from " + tokenName(state.selected)),
       el("table", { class: "cwv-grid" }, el("thead", {}, head), el("tbody", {}, rows)),
-      divergingLegend(max, "(of the target)"),
+      divergingLegend(max, "direct path (hover a cell for its value and % of T)"),
       ...others.map((k) => el("div", { class: "cwv-note" },
         layout.names[k] + " (direct path): " + signed(values[k]) + share(values[k]))));
     if (passed.size) box.append(el("p", { class: "cwv-note" }, "Outlined: the components the routes pass."));
@@ -187,7 +199,7 @@ function renderAttribution(body, data, tip) {
         fill: diverging(v, tmax), stroke: k === l ? "#111" : "none", "stroke-width": "1.5" });
       bar.addEventListener("click", () => { state.layer = k; flows(); });
       bar.addEventListener("mousemove", (ev) => tip.show(ev, "layer " + k + ": all its edges carry "
-        + signed(v) + share(v)));
+        + signed(v) + share(v) + "\n(T minus T with this layer's heads silenced)"));
       bar.addEventListener("mouseleave", () => tip.hide());
       strip.appendChild(bar);
       if (totals.length <= 16 || k % 2 === 0 || k === l) {
@@ -204,6 +216,7 @@ function renderAttribution(body, data, tip) {
         + tokenName(e.key) + " \u2192 " + tokenName(e.query) + "\n" + signed(e.value) + share(e.value)
         + "\nheads: " + heads };
     });
+    const shown = s.edges[l].reduce((a, e) => a + e.value, 0);
     box.append(el("h2", {}, "Edge flows: the " + data.top_edges + " strongest edges of each layer"),
       el("p", { class: "cwv-note" }, "Bars: what all the edges of a layer carry (click one). Arcs: key (sender) \u2192 query (receiver, dot), width by |share of the target| on one scale for every layer, blue raises the target and red lowers it."),
       strip,
@@ -211,13 +224,19 @@ function renderAttribution(body, data, tip) {
         el("button", { on: { click: () => move(-1) } }, "\u25c0"),
         el("b", {}, "Layer " + l),
         el("button", { on: { click: () => move(1) } }, "\u25b6"),
-        el("span", { class: "cwv-sub" }, "all edges " + signed(totals[l]) + share(totals[l]))),
+        el("span", { class: "cwv-sub" }, "all edges " + signed(totals[l]) + share(totals[l])
+          + "; the " + s.edges[l].length + " drawn " + signed(shown) + share(shown))),
+      el("p", { class: "cwv-note" }, "What all the edges of layer " + l + " carry is T minus what the network "
+        + "gives with that layer's heads silenced; it can exceed T (above 100%) when the rest of the network "
+        + "pulls the other way. The drawn edges are the largest by |value|, of either sign."),
       arcDiagram(s.tokens, edges, { width: body.clientWidth || 1100, vmax, tip,
-        marked: s.position, focus: state.selected, label: "strongest edges of layer " + l }));
+        marked: s.position, focus: state.chosen ? state.selected : null, label: "strongest edges of layer " + l }));
   }
 
-  function select(i) {
+  function select(i, chosen) {
     state.selected = i;
+    state.chosen = chosen;
+    if (parts.shown) parts.shown.textContent = tokenName(i);
     parts.chips.forEach((chip, k) => chip.classList.toggle("sel", k === i));
     details();
     grid();
@@ -231,12 +250,13 @@ function renderAttribution(body, data, tip) {
     parts.grid = s.components ? el("div", {}) : null;
     parts.flows = s.edges ? el("div", {}) : null;
     body.append(header(), tokens());
+    parts.shown = el("span", { class: "mono" });
     body.append(el("div", { class: "cwv-cols" },
-      el("div", { class: "cwv-col" }, el("h2", {}, "Selected token"), parts.details),
+      el("div", { class: "cwv-col" }, el("h2", {}, "Selected token: ", parts.shown), parts.details),
       el("div", { class: "cwv-col fixed" }, parts.grid
         || el("p", { class: "cwv-note" }, data.notes.components))));
     body.append(parts.flows || el("p", { class: "cwv-note" }, data.notes.edges));
-    select(null);
+    select(s.selected, false);
   }
 
   draw();

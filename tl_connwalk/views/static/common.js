@@ -6,6 +6,7 @@ const SVG_NS = "http://www.w3.org/2000/svg"; // an XML namespace name, not a res
 const POSITIVE = [33, 102, 172];
 const NEGATIVE = [178, 24, 43];
 const SEQUENTIAL = [63, 0, 125];
+const CHAR_WIDTH = 6.7; // pixels per character of an 11 px monospace label
 
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
@@ -64,6 +65,101 @@ function sequential(value, max) {
   return mix(SEQUENTIAL, strength(value, max));
 }
 
+// How |value| maps to a colour's depth t in [0, 1]: "linear" (|v| / max) or "log"
+// (log|v| from `floor` to `max`, floor the smallest |v| shown, at most DECADES decades
+// below max; anything above 0 gets at least the depth MIN_DEPTH, so it stays visible).
+const DECADES = 4;
+const MIN_DEPTH = 0.06;
+function colourScale(kind, values) {
+  const max = maxAbs(values);
+  let floor = max;
+  for (const v of values.flat(Infinity)) {
+    if (v !== null && isFinite(v) && v !== 0) floor = Math.min(floor, Math.abs(v));
+  }
+  const clipped = floor < max * Math.pow(10, -DECADES);
+  floor = Math.max(floor, max * Math.pow(10, -DECADES));
+  const span = Math.log10(max) - Math.log10(floor);
+  function depth(value) {
+    if (value === null || !isFinite(value) || !(max > 0) || value === 0) return 0;
+    const a = Math.min(Math.abs(value), max);
+    if (kind !== "log") return a / max;
+    if (!(span > 0)) return 1;
+    const t = (Math.log10(Math.max(a, floor)) - Math.log10(floor)) / span;
+    return MIN_DEPTH + (1 - MIN_DEPTH) * t;
+  }
+  return { kind, max, floor, clipped, depth };
+}
+
+// the sequential colour of `value` on `scale` (padding and no-edge colours are the caller's)
+function scaled(value, scale) {
+  if (value === null || !isFinite(value)) return "#e8e8e8";
+  return mix(SEQUENTIAL, scale.depth(value));
+}
+
+// blue or red by sign, depth by |value| on `scale`
+function scaledDiverging(value, scale) {
+  if (value === null || !isFinite(value)) return "#e8e8e8";
+  return mix(value >= 0 ? POSITIVE : NEGATIVE, scale.depth(value));
+}
+
+// 10 to the power k, with a superscript exponent
+function decade(k) {
+  if (k === 0) return "1";
+  if (k === 1) return "10";
+  const sup = { "-": "\u207b", 0: "\u2070", 1: "\u00b9", 2: "\u00b2", 3: "\u00b3", 4: "\u2074",
+    5: "\u2075", 6: "\u2076", 7: "\u2077", 8: "\u2078", 9: "\u2079" };
+  return "10" + String(k).split("").map((c) => sup[c]).join("");
+}
+
+// The ticks of a colour bar, [{value, at}] with `at` in [0, 1] along the bar: both ends, and
+// on a log scale the powers of ten between them that are not too close to another tick.
+function scaleTicks(scale) {
+  if (!(scale.max > 0)) return [{ value: 0, at: 0 }];
+  if (scale.kind !== "log") {
+    return [{ value: 0, at: 0 }, { value: scale.max / 2, at: 0.5 }, { value: scale.max, at: 1 }];
+  }
+  const ticks = [{ value: scale.floor, at: scale.depth(scale.floor) },
+    { value: scale.max, at: 1 }];
+  const low = Math.ceil(Math.log10(scale.floor));
+  for (let k = low; Math.pow(10, k) < scale.max; k++) {
+    const at = scale.depth(Math.pow(10, k));
+    if (ticks.every((t) => Math.abs(t.at - at) > 0.14)) ticks.push({ value: Math.pow(10, k), at, k });
+  }
+  return ticks.sort((a, b) => a.at - b.at);
+}
+
+// A colour bar for `scale`: the gradient, its ticks, and what it shows with the scale's name.
+// `diverges`: a diverging bar (red for negative values, blue for positive, |value| on the scale).
+function colourBar(scale, what, diverges) {
+  const depthAt = (t) => (scale.kind === "log" ? MIN_DEPTH + (1 - MIN_DEPTH) * t : t);
+  const steps = [];
+  for (let k = 0; k <= 10; k++) steps.push(mix(SEQUENTIAL, depthAt(k / 10)) + " " + 10 * k + "%");
+  const bar = el("span", { class: "bar" });
+  let ticks;
+  if (diverges) {
+    const half = [];
+    for (let k = 10; k >= 0; k--) half.push(mix(NEGATIVE, depthAt(k / 10)) + " " + 5 * (10 - k) + "%");
+    for (let k = 0; k <= 10; k++) half.push(mix(POSITIVE, depthAt(k / 10)) + " " + (50 + 5 * k) + "%");
+    bar.style.background = "linear-gradient(to right, " + half.join(", ") + ")";
+    ticks = [{ text: "\u2212" + plain(scale.max), at: 0 }, { text: "0", at: 0.5 },
+      { text: "+" + plain(scale.max), at: 1 }];
+  } else {
+    bar.style.background = "linear-gradient(to right, " + steps.join(", ") + ")";
+    ticks = scaleTicks(scale).map((t) => ({ at: t.at,
+      text: t.k !== undefined ? decade(t.k) : plain(t.value) }));
+  }
+  const marks = el("span", { class: "ticks" }, ticks.map((t) => el("span", {
+    class: "tick" + (t.at <= 0.02 ? " first" : t.at >= 0.98 ? " last" : ""),
+    style: { left: 100 * t.at + "%" } }, t.text)));
+  const name = scale.kind === "log"
+    ? "log scale" + (scale.max > 0 ? ", " + plain(scale.floor) + " to " + plain(scale.max)
+      + (scale.clipped ? "; smaller values at the lightest shade" : "") : "")
+    : "linear scale";
+  return el("div", { class: "cwv-cbar", "data-scale": scale.kind },
+    el("span", { class: "scale" }, bar, marks),
+    el("span", { class: "what" }, what + " (" + name + ")"));
+}
+
 function inkOn(value, max) {
   return strength(value, max) > 0.55 ? "#fff" : "#222";
 }
@@ -113,31 +209,63 @@ function batchSelect(sequences, label, onChange) {
   return el("label", {}, "Sequence ", select);
 }
 
+// Which of n positions, `step` pixels apart, get a label on a rotated axis: neighbours'
+// labels must be LABEL_GAP pixels apart across the text, so every k-th position is labelled
+// (`first` positions, such as the marked one, before the others).
+const LABEL_GAP = 13;
+const LABEL_ANGLE = 55;
+function labelledPositions(n, step, first) {
+  const across = step * Math.sin((LABEL_ANGLE * Math.PI) / 180);
+  const every = Math.max(1, Math.ceil(LABEL_GAP / across));
+  const shown = [];
+  const order = first.filter((i) => i !== null && i !== undefined && i >= 0 && i < n);
+  for (let i = 0; i < n; i += 1) order.push(i);
+  for (const i of order) {
+    if (shown.every((k) => Math.abs(k - i) >= every)) shown.push(i);
+  }
+  return { every, shown: new Set(shown) };
+}
+
 // Arcs from each edge's key (sender) to its query (receiver) over a row of tokens.
-// edges: [{key, query, value, text}]; width by |value| / vmax; colour by sign unless `colour`.
+// edges: [{key, query, value, text}]; width by |value| / vmax (or opts.depth(value), in
+// [0, 1]); colour by sign unless `colour`. Labels never overlap: horizontal when every label
+// fits its slot, else rotated, and on a dense axis only every k-th (hover the axis for all).
 function arcDiagram(labels, edges, opts) {
   const n = labels.length;
   const width = opts.width || 1100;
-  const left = 16;
-  const step = Math.max(4, Math.min(64, (width - 2 * left) / Math.max(n, 1)));
+  const texts = labels.map((label) => {
+    const text = tokenText(label);
+    return text.length > 14 ? text.slice(0, 13) + "\u2026" : text;
+  });
+  const maxLabel = texts.reduce((m, t) => Math.max(m, t.length), 1);
+  const fits = (step) => maxLabel * CHAR_WIDTH + 6 <= step;
+  const slot = (left) => Math.max(4, Math.min(64, (width - 2 * left) / Math.max(n, 1)));
+  const rotate = !fits(slot(16));
+  // rotated labels reach left of their position: room for the first one's
+  const reach = (texts[0] || "").length * CHAR_WIDTH * Math.cos((LABEL_ANGLE * Math.PI) / 180);
+  const left = rotate ? Math.max(16, Math.ceil(reach + 4)) : 16;
+  const step = slot(left);
   const x = (i) => left + step * (i + 0.5);
   const span = edges.reduce((m, e) => Math.max(m, Math.abs(e.query - e.key)), 1);
   const lift = Math.min(170, Math.max(40, (span * step) / 2 + 16));
-  const rotate = step < 46;
-  const maxLabel = labels.reduce((m, s) => Math.max(m, tokenText(s).length), 1);
-  const labelHeight = rotate ? Math.min(110, 7 * Math.min(maxLabel, 14) + 10) : 18;
+  const { every, shown } = rotate ? labelledPositions(n, step, [opts.marked, opts.focus])
+    : { every: 1, shown: new Set(labels.map((_, i) => i)) };
+  const labelHeight = rotate ? Math.min(110, CHAR_WIDTH * maxLabel * 0.82 + 14) : 18;
   const base = lift + 8;
   const node = svg("svg", { width: String(left * 2 + step * n), height: String(base + labelHeight + 6),
     role: "img", "aria-label": opts.label || "edge flows" });
   node.appendChild(svg("line", { x1: String(left), x2: String(left + step * n), y1: String(base),
     y2: String(base), stroke: "#bbb" }));
-  labels.forEach((label, i) => {
-    const text = tokenText(label);
-    const short = text.length > 14 ? text.slice(0, 13) + "\u2026" : text;
+  texts.forEach((short, i) => {
+    if (!shown.has(i)) {
+      node.appendChild(svg("line", { x1: String(x(i)), x2: String(x(i)), y1: String(base),
+        y2: String(base + 3), stroke: "#bbb" }));
+      return;
+    }
     const attrs = { class: "tokl", x: String(x(i)), y: String(base + 13) };
     if (rotate) {
       Object.assign(attrs, { "text-anchor": "end",
-        transform: "rotate(-55 " + x(i) + " " + (base + 13) + ")" });
+        transform: "rotate(-" + LABEL_ANGLE + " " + x(i) + " " + (base + 13) + ")" });
     } else {
       attrs["text-anchor"] = "middle";
     }
@@ -146,6 +274,15 @@ function arcDiagram(labels, edges, opts) {
     if (opts.dim && opts.dim[i]) t.setAttribute("fill", "#bbb");
     node.appendChild(t);
   });
+  if (opts.tip) { // every position's label on hover, the unlabelled ones included
+    labels.forEach((label, i) => {
+      const slot = svg("rect", { class: "slot", x: String(x(i) - step / 2), y: String(base + 2),
+        width: String(step), height: String(labelHeight), fill: "transparent" });
+      slot.addEventListener("mousemove", (ev) => opts.tip.show(ev, "\u2018" + tokenText(label) + "\u2019 (" + i + ")"));
+      slot.addEventListener("mouseleave", () => opts.tip.hide());
+      node.appendChild(slot);
+    });
+  }
   if (opts.marked !== undefined && opts.marked !== null) {
     node.appendChild(svg("circle", { cx: String(x(opts.marked)), cy: String(base), r: "4",
       fill: "#111" }));
@@ -153,7 +290,7 @@ function arcDiagram(labels, edges, opts) {
   const vmax = opts.vmax > 0 ? opts.vmax : maxAbs(edges.map((e) => e.value));
   const ordered = edges.slice().sort((a, b) => Math.abs(a.value) - Math.abs(b.value));
   for (const e of ordered) {
-    const w = 1 + 11 * strength(e.value, vmax);
+    const w = 1 + 11 * (opts.depth ? opts.depth(e.value) : strength(e.value, vmax));
     const colour = opts.colour ? opts.colour(e) : mix(e.value >= 0 ? POSITIVE : NEGATIVE, 0.85);
     let d;
     if (e.key === e.query) { // an edge from a position to itself: a ring above it
@@ -178,7 +315,13 @@ function arcDiagram(labels, edges, opts) {
     node.appendChild(svg("circle", { cx: String(x(e.query)), cy: String(base - 1), r: "2.5",
       fill: colour, "fill-opacity": highlighted ? "1" : "0.2" }));
   }
-  return node;
+  const note = every > 1 ? el("p", { class: "cwv-note" }, "Every " + ordinal(every)
+    + " token labelled on this axis (they would overlap); hover the axis for each token.") : null;
+  return el("div", { class: "cwv-arcs", "data-label-every": String(every) }, node, note);
+}
+
+function ordinal(k) {
+  return k === 2 ? "second" : k === 3 ? "third" : k + "th";
 }
 
 // A matrix drawn on a canvas, one cell per entry; hover and click report [row, column].

@@ -2,13 +2,11 @@
 // incoming edges as arcs, every head's gates, and the edge contributions when given.
 
 function renderWalk(body, data, tip) {
-  const state = { batch: 0, query: null, key: null, pinned: false };
+  const state = { batch: 0, query: null, key: null, pinned: false, scale: data.colour_scale };
   const parts = {};
 
   function seq() { return data.sequences[state.batch]; }
   function tokenName(i) { return "\u2018" + tokenText(seq().tokens[i]) + "\u2019 (" + i + ")"; }
-  function lastReal() { const r = seq().real; let i = r.length - 1; while (i > 0 && !r[i]) i--; return i; }
-  function maxOf(matrix) { return maxAbs(matrix); }
   // padding grey, pairs that are no edge (W = 0) near white
   function onEdges(colour) {
     return (v, i, j) => {
@@ -25,10 +23,15 @@ function renderWalk(body, data, tip) {
       state.batch = b; state.pinned = false; state.query = null; state.key = null; draw();
     });
     if (select) select.querySelector("select").value = String(state.batch);
+    const scale = el("select", { "aria-label": "colour scale", class: "cwv-scale",
+      on: { change: (e) => { state.scale = e.target.value; draw(); } } },
+      el("option", { value: "log" }, "log"), el("option", { value: "linear" }, "linear"));
+    scale.value = state.scale;
     return el("div", { class: "cwv-header" },
       el("span", { class: "cwv-title" }, "Connection walk"),
       el("span", { class: "cwv-sub" }, data.layer === null ? "" : "layer " + data.layer),
       el("span", { class: "cwv-sub" }, heads + ", " + seq().tokens.length + " positions"),
+      el("label", {}, "Colour scale ", scale),
       select);
   }
 
@@ -66,7 +69,7 @@ function renderWalk(body, data, tip) {
     box.append(el("div", { class: "big" }, tokenName(j) + " \u2192 " + tokenName(i)),
       el("div", {}, "walk W", el("sub", {}, "ij"), " = ", el("b", { class: "mono" }, plain(s.walk[i][j]))));
     if (s.edge) {
-      box.append(el("div", {}, "edge contribution ", el("b", { class: "mono" }, plain(s.edge[i][j]))));
+      box.append(el("div", {}, edgeName() + " ", el("b", { class: "mono" }, plain(s.edge[i][j]))));
     }
     if (!(s.real[i] && s.real[j])) box.append(el("p", { class: "cwv-note" }, "Padding: no edge."));
     const rows = [];
@@ -86,9 +89,21 @@ function renderWalk(body, data, tip) {
       const values = [];
       for (let h = 0; h < H; h++) values.push(s.head[h][i][j]);
       const max = maxAbs(values);
-      box.append(el("h3", {}, "Contribution per head"),
-        bars(values.map((v, h) => ["H" + h, v, max, diverging(v, max), signed(v)])));
+      const sum = values.reduce((a, v) => a + v, 0);
+      const total = "sum over heads " + plain(sum) + (s.edge ? ", edge " + plain(s.edge[i][j]) : "");
+      box.append(el("h3", {}, data.norms ? "Norm per head \u2016A\u02b0\u1d62\u2c7c f\u02b0(x\u2c7c)\u2016"
+        : "Contribution per head"),
+        bars(values.map((v, h) => ["H" + h, v, max, diverging(v, max), data.norms ? plain(v) : signed(v)])),
+        el("p", { class: "cwv-note" }, data.norms
+          ? "Norms of each head's message: they do not add up to the edge's norm (" + total
+            + "), since the heads' messages point in different directions."
+          : total + "."));
     }
+  }
+
+  // what the edge numbers are: the norms of the edge's messages (the default) or as given
+  function edgeName() {
+    return data.norms ? "edge norm \u2016W\u1d62\u2c7c x\u2c7c T\u1d62\u2c7c\u2016" : "edge contribution";
   }
 
   function arcs() {
@@ -97,34 +112,41 @@ function renderWalk(body, data, tip) {
     const s = seq();
     const i = state.query;
     const weights = s.edge || s.walk;
-    // one scale for every query: W is at most 1, a contribution at most the largest one
-    const vmax = s.edge ? maxAbs(s.edge) : 1;
+    // one scale for every query: that of the whole matrix the widths come from
+    const scale = colourScale(state.scale, realEdges(weights));
     const edges = [];
     for (let j = 0; j < s.tokens.length; j++) {
       if (!(s.real[i] && s.real[j]) || s.walk[i][j] <= 0) continue;
       edges.push({ key: j, query: i, value: weights[i][j], text: tokenName(j) + " \u2192 "
         + tokenName(i) + "\nW " + plain(s.walk[i][j]) + (s.edge ? "\ncontribution " + plain(s.edge[i][j]) : "") });
     }
-    const what = s.edge ? "edge contribution" : "walk weight W\u1d62\u2c7c";
-    box.append(el("h2", {}, "Edges into " + tokenName(i) + ", width by " + what),
-      el("p", { class: "cwv-note" }, "Click a row of a heatmap to choose the query; arcs run from each key (sender) to the query (dot)."),
-      arcDiagram(s.tokens, edges, { width: body.clientWidth || 1100, tip, marked: i, vmax,
-        dim: s.real.map((r) => !r), colour: (e) => sequential(0.35 + 0.65 * strength(e.value, vmax), 1),
+    const what = s.edge ? edgeName() : "walk weight W\u1d62\u2c7c";
+    box.append(el("h2", {}, "Edges into " + tokenName(i) + ", width \u221d " + what),
+      el("p", { class: "cwv-note" }, "Arcs run from each key (sender) to the query (dot); their shade follows the "
+        + scale.kind + " colour scale. Click a row of a heatmap to choose the query."),
+      arcDiagram(s.tokens, edges, { width: body.clientWidth || 1100, tip, marked: i, vmax: scale.max,
+        dim: s.real.map((r) => !r), colour: (e) => sequential(0.35 + 0.65 * scale.depth(e.value), 1),
         label: "edges into position " + i }));
+  }
+
+  // the entries of a [query][key] matrix on the walk's edges (what the colours are scaled to)
+  function realEdges(matrix) {
+    const s = seq();
+    const values = [];
+    matrix.forEach((row, i) => row.forEach((v, j) => {
+      if (s.real[i] && s.real[j] && s.walk[i][j] > 0) values.push(v);
+    }));
+    return values;
   }
 
   function draw() {
     body.textContent = "";
     const s = seq();
-    if (state.query === null) {
-      state.query = lastReal();
-      const row = s.walk[state.query];
-      state.key = row.reduce((best, v, j) => (v > row[best] ? j : best), 0);
-    }
+    if (state.query === null) [state.query, state.key] = s.selected;
     parts.details = el("div", { class: "cwv-details" });
     parts.arcs = el("div", {});
-    const wmax = maxOf(s.walk);
-    const main = heatmap(s.walk, onEdges((v) => sequential(v, wmax)), {
+    const wscale = colourScale(state.scale, realEdges(s.walk));
+    const main = heatmap(s.walk, onEdges((v) => scaled(v, wscale)), {
       labels: s.tokens, size: 420, label: "walk W",
       onHover: (cell, ev) => {
         if (cell) tip.show(ev, tokenName(cell[1]) + " \u2192 " + tokenName(cell[0]) + "\nW " + plain(s.walk[cell[0]][cell[1]]));
@@ -136,9 +158,9 @@ function renderWalk(body, data, tip) {
     const heads = el("div", { class: "cwv-heads" });
     const perRow = Math.min(data.n_heads, 6);
     const small = Math.max(60, Math.min(160, Math.floor((1100 - 10 * perRow) / perRow)));
-    const gmax = maxAbs(s.gates.map((g) => g.map((row, i) => row.filter((v, j) => s.walk[i][j] > 0))));
+    const gscale = colourScale(state.scale, s.gates.map(realEdges));
     s.gates.forEach((gates, h) => {
-      heads.appendChild(el("figure", {}, heatmap(gates, onEdges((v) => sequential(v, gmax)), {
+      heads.appendChild(el("figure", {}, heatmap(gates, onEdges((v) => scaled(v, gscale)), {
         size: small, label: "gates of head " + h,
         onHover: (cell, ev) => {
           if (cell) tip.show(ev, "H" + h + "  " + tokenName(cell[1]) + " \u2192 " + tokenName(cell[0]) + "\ngate " + plain(gates[cell[0]][cell[1]]));
@@ -151,17 +173,18 @@ function renderWalk(body, data, tip) {
     body.append(header(),
       el("div", { class: "cwv-cols" },
         el("div", { class: "cwv-col fixed" }, el("h2", {}, "Walk W (rows: query i, columns: key j)"), main,
-          legend("0", plain(wmax), [sequential(0, 1), sequential(1, 1)]),
+          colourBar(wscale, "walk weight W\u1d62\u2c7c"),
           el("p", { class: "cwv-note" }, "W\u1d62\u2c7c = mean over heads of A\u02b0\u1d62\u2c7c; each real row sums to 1. Hover a cell; click to pin it.")),
         el("div", { class: "cwv-col" }, el("h2", {}, "Selected edge"), parts.details)),
       parts.arcs,
       el("h2", {}, "Gates g\u02b0\u1d62\u2c7c = A\u02b0\u1d62\u2c7c / \u03a3\u2095' A\u02b0'\u1d62\u2c7c of each head"),
-      heads, legend("0", plain(gmax), [sequential(0, 1), sequential(1, 1)]));
+      heads, colourBar(gscale, "gate g\u02b0\u1d62\u2c7c"));
     if (s.edge) {
-      const emax = maxOf(s.edge);
+      const escale = colourScale(state.scale, realEdges(s.edge));
       const negative = s.edge.flat().some((v) => v < 0);
-      const colour = negative ? (v) => diverging(v, emax) : (v) => sequential(v, emax);
-      body.append(el("h2", {}, "Edge contributions"), heatmap(s.edge, onEdges(colour), {
+      const colour = negative ? (v) => scaledDiverging(v, escale) : (v) => scaled(v, escale);
+      body.append(el("h2", {}, data.norms ? "Edge norms \u2016W\u1d62\u2c7c x\u2c7c T\u1d62\u2c7c\u2016 (what each edge carries)"
+        : "Edge contributions"), heatmap(s.edge, onEdges(colour), {
         labels: s.tokens, size: 420, label: "edge contributions",
         onHover: (cell, ev) => {
           if (cell) tip.show(ev, tokenName(cell[1]) + " \u2192 " + tokenName(cell[0]) + "\n" + plain(s.edge[cell[0]][cell[1]]));
@@ -169,7 +192,7 @@ function renderWalk(body, data, tip) {
           hover(cell);
         },
         onClick: (cell) => pick(cell, true),
-      }), negative ? divergingLegend(emax, "") : legend("0", plain(emax), [sequential(0, 1), sequential(1, 1)]));
+      }), colourBar(escale, edgeName(), negative));
     }
     details();
     arcs();
