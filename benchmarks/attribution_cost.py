@@ -1,4 +1,8 @@
-"""The cost of ``tl_connwalk.attribute`` (exact method) against ``run_with_cache``, same process.
+"""The cost of ``tl_connwalk.attribute`` against ``run_with_cache``, same process.
+
+``--method``: the exact method (``connection``, the default) or ``knockout_estimate`` (one
+forward and one backward pass of the real model, and its ``exact`` sources knocked out for
+real: two forward passes more for one target).
 
 Two models: SmolLM2-135M from the zoo (30 layers, d_model 576) and a GPT-2-small-shaped random
 ``HookedTransformer`` (12 layers, d_model 768, 12 heads, vocabulary 50,257); one sequence of
@@ -72,7 +76,7 @@ def setup(name: str, n: int) -> tuple[torch.nn.Module, torch.Tensor]:
     return model, tokens
 
 
-def first_peak(name: str, n: int, what: str) -> tuple[int, int]:
+def first_peak(name: str, n: int, what: str, method: str = "connection") -> tuple[int, int]:
     """Peak resident-set growth of the first ``run_with_cache`` or ``attribute`` call, and
     the model's ``d_model``."""
     model, tokens = setup(name, n)
@@ -80,14 +84,18 @@ def first_peak(name: str, n: int, what: str) -> tuple[int, int]:
     if what == "run_with_cache":
         with torch.no_grad():
             return measure(functools.partial(model.run_with_cache, tokens))[1], d_model
-    return measure(functools.partial(tl_connwalk.attribute, model, tokens))[1], d_model
+    return measure(functools.partial(tl_connwalk.attribute, model, tokens, method=method))[
+        1
+    ], d_model
 
 
-def timings(name: str, n: int, repeats: int, baselines: bool) -> tuple[float, float, str]:
+def timings(
+    name: str, n: int, repeats: int, baselines: bool, method: str = "connection"
+) -> tuple[float, float, str]:
     """Median seconds of ``run_with_cache`` and ``attribute``, alternating; the baselines'."""
     model, tokens = setup(name, n)
     cache = functools.partial(model.run_with_cache, tokens)
-    exact_run = functools.partial(tl_connwalk.attribute, model, tokens)
+    exact_run = functools.partial(tl_connwalk.attribute, model, tokens, method=method)
     base, exact = [], []
     for _ in range(repeats):
         with torch.no_grad():
@@ -118,7 +126,11 @@ def main() -> None:
         help="also time knockout and value zeroing",
     )  # fmt: skip
     parser.add_argument("--baseline-tokens", type=int, default=64)
+    parser.add_argument(
+        "--method", default="connection", choices=["connection", "knockout_estimate"]
+    )
     args = parser.parse_args()
+    print(f"method={args.method!r}")
     print("| model | tokens | run_with_cache (s) | attribute (s) | ratio | peak MiB | "
           "peak / n^2 d_model floats | peak / run_with_cache's | knockout (s) | knockout ratio "
           "| value zeroing (s) | value zeroing ratio |")  # fmt: skip
@@ -127,8 +139,8 @@ def main() -> None:
         lengths = [*args.tokens, *([args.baseline_tokens] if args.baselines else [])]
         for n in dict.fromkeys(lengths):
             baselines = args.baselines and n == args.baseline_tokens
-            b, e, knock = fresh(timings, name, n, args.repeats, baselines)
-            p, d_model = fresh(first_peak, name, n, "attribute")
+            b, e, knock = fresh(timings, name, n, args.repeats, baselines, args.method)
+            p, d_model = fresh(first_peak, name, n, "attribute", args.method)
             p_cache, _ = fresh(first_peak, name, n, "run_with_cache")
             print(f"| {name} | {n} | {b:.2f} | {e:.2f} | {e / b:.2f} | {p / 2**20:.0f} | "
                   f"{p / (4 * n * n * d_model):.2f} | {p / p_cache:.2f} | {knock} |",

@@ -642,6 +642,10 @@ ROWS: list[Row] = [
         not_a_connection_attribution=lambda w: w.knockout.routes(),
     ),
     *rows(
+        "Attribution.to_dataframe",
+        model_without_tokenizer=lambda w: w.attribution.to_dataframe(model=object()),
+    ),
+    *rows(
         "Attribution.verify",
         not_a_knockout_estimate=lambda w: w.attribution.verify(2),
         k_negative=lambda w: w.estimate.verify(-1),
@@ -896,7 +900,6 @@ TAKES_NO_ARGUMENTS = {
     "LaplacianResidual.to_dict",
     "Attribution.by_component",
     "Attribution.component_names",
-    "Attribution.to_dataframe",
 }
 
 #: classes whose constructor is no entry point: records the package builds and returns

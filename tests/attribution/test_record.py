@@ -266,6 +266,23 @@ def test_to_dataframe_and_repr(gpt2):
     assert "method='connection'" in repr(result)
 
 
+def test_to_dataframe_decodes_with_the_models_tokenizer(gpt2):
+    class Letters:
+        def decode(self, ids):
+            return "".join(chr(ord("a") + i % 26) for i in ids)
+
+    with_tokenizer = types.SimpleNamespace(tokenizer=Letters())
+    toks = tokens()
+    result = tl_connwalk.attribute(gpt2, toks, target=(3, 4))
+    frame = result.to_dataframe(model=with_tokenizer)
+    assert frame["str_token"].tolist() == [Letters().decode([int(t)]) for t in toks.flatten()]
+    assert frame["target"][0] == "logit[3 \u2018d\u2019] - logit[4 \u2018e\u2019] @ 8"
+    estimate = tl_connwalk.attribute(gpt2, toks, method="knockout_estimate")
+    columns = estimate.to_dataframe().columns.tolist()
+    assert columns[-2:] == ["remainder", "exact"]
+    assert estimate.to_dataframe()["exact"].sum() == int(estimate.exact.sum())
+
+
 def test_show_displays_the_page_to_html_writes(gpt2, tmp_path, monkeypatch):
     """``show`` and ``to_html`` draw one view: the same numbers, routes and labels."""
     shown = []

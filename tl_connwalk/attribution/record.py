@@ -326,30 +326,50 @@ class Attribution:
         order = frame["predicted"].abs().sort_values(ascending=False, kind="stable").index
         return frame.loc[order].sort_values("batch", kind="stable").reset_index(drop=True)
 
-    def to_dataframe(self) -> Any:
+    def to_dataframe(self, model: Any = None) -> Any:
         """A pandas DataFrame, one row per (sequence, source): ``batch``, ``source``,
         ``token``, ``score``, ``target``, ``target_value``, ``bias``, ``method``; padding
-        left out.
+        left out. ``method="knockout_estimate"`` adds ``remainder`` and ``exact``.
+
+        ``model``: a model with a tokenizer (``model.tokenizer``) adds ``str_token``, each
+        source decoded, and decodes the tokens in the ``target`` labels (``logit[id 'token']``).
 
         >>> tl_connwalk.attribute(model, tokens).to_dataframe().shape
         (16, 8)
         """
         import pandas as pd
 
+        from tl_connwalk.views.labels import decoded_target
+
+        tokenizer = getattr(model, "tokenizer", None)
+        if model is not None and tokenizer is None:
+            raise ConnWalkError(
+                f"model ({type(model).__name__}) has no tokenizer to decode the tokens with; "
+                "call to_dataframe() without it for token ids."
+            )
+        labels = list(self.targets)
+        if tokenizer is not None:
+            labels = [decoded_target(label, tokenizer) for label in labels]
         batch, n_pos = self.scores.shape
         rows = torch.arange(batch).repeat_interleave(n_pos)
-        frame = pd.DataFrame(
-            {
-                "batch": rows.numpy(),
-                "source": torch.arange(n_pos).repeat(batch).numpy(),
-                "token": self.tokens.reshape(-1).cpu().numpy(),
-                "score": self.scores.detach().reshape(-1).cpu().double().numpy(),
-                "target": [self.targets[b] for b in rows.tolist()],
-                "target_value": self.target_value.detach().cpu().double()[rows].numpy(),
-                "bias": self.bias.detach().cpu().double()[rows].numpy(),
-                "method": self.method,
-            }
-        )
+        columns: dict[str, Any] = {
+            "batch": rows.numpy(),
+            "source": torch.arange(n_pos).repeat(batch).numpy(),
+            "token": self.tokens.reshape(-1).cpu().numpy(),
+        }
+        if tokenizer is not None:
+            columns["str_token"] = [tokenizer.decode([int(t)]) for t in columns["token"]]
+        columns |= {
+            "score": self.scores.detach().reshape(-1).cpu().double().numpy(),
+            "target": [labels[b] for b in rows.tolist()],
+            "target_value": self.target_value.detach().cpu().double()[rows].numpy(),
+            "bias": self.bias.detach().cpu().double()[rows].numpy(),
+            "method": self.method,
+        }
+        if self.remainder is not None and self.exact is not None:
+            columns["remainder"] = self.remainder.detach().reshape(-1).cpu().double().numpy()
+            columns["exact"] = self.exact.reshape(-1).cpu().numpy()
+        frame = pd.DataFrame(columns)
         if self.attention_mask is None:
             return frame
         return frame[self.attention_mask.reshape(-1).cpu().numpy() != 0].reset_index(drop=True)
