@@ -182,6 +182,27 @@ def test_a_baseline_has_scores_only_and_says_why():
     assert "method='rollout'" in data["notes"]["routes"]
 
 
+def test_a_knockout_estimate_shows_its_edges_exact_sources_and_what_verify_measured():
+    result = tl_connwalk.attribute(
+        default_model(), tokens(), position=6, method="knockout_estimate"
+    )
+    data = attribution_data(result)
+    seq = data["sequences"][1]
+    close(seq["scores"], result.scores[1])
+    assert seq["exact"] == result.exact[1].tolist() and seq["measured"] == [None] * 9
+    assert seq["edges"] is not None and seq["components"] is None
+    close(seq["layer_totals"], torch.stack([result.edges(layer)[1].sum() for layer in range(2)]))
+    frame = result.verify(2)
+    seq = attribution_data(result)["sequences"][1]
+    measured = frame[frame["batch"] == 1].set_index("source")["knockout"]
+    assert [s for s, v in enumerate(seq["measured"]) if v is not None] == sorted(measured.index)
+    close(
+        [seq["measured"][s] for s in sorted(measured.index)],
+        torch.tensor(measured.sort_index().to_numpy()),
+    )
+    assert "knockout_estimate" in data["notes"]["components"]
+
+
 def test_bad_arguments_are_refused():
     result = attribution()
     for top in (0, -1, True):

@@ -88,7 +88,10 @@ def attribution_data(
       ``|e_ij|``, ``e_ij = sum_h result.edges(l)[b, h, i, j]``, each ``{query, key, value,
       heads}`` (``heads``: the ``e^h_ij``); edges that carry exactly nothing are left out;
     - ``layer_totals[l]``: ``sum_{h,i,j} e^{l,h}_ij``, what all the edges of layer ``l`` carry;
-    - ``routes``: the given routes of that sequence, largest ``|contribution|`` first.
+    - ``routes``: the given routes of that sequence, largest ``|contribution|`` first;
+    - ``exact`` and ``measured`` (``method="knockout_estimate"``, else ``None``): per source,
+      whether its score is knockout's own value, and knockout as `Attribution.verify`
+      measured it (``None`` where not measured).
 
     Fields a method does not define (``by_component``, ``edges`` and routes belong to
     ``method="connection"``) are ``None``, with the reason in ``data["notes"]``; the page then
@@ -121,6 +124,7 @@ def attribution_data(
                 "edges": [_top_edges(edges[b], top_edges) for edges in layers] or None,
                 "layer_totals": [rounded(float(edges[b].sum())) for edges in layers] or None,
                 "routes": None,
+                **_knockout_fields(result, b),
             }
         )
     routes_note = None
@@ -148,6 +152,21 @@ def attribution_data(
         "top_edges": top_edges,
         "notes": {"components": components_note, "edges": edges_note, "routes": routes_note},
     }
+
+
+def _knockout_fields(result: ShownAttribution, b: int) -> dict[str, Any]:
+    """``method="knockout_estimate"``: ``exact`` (per source, knocked out for real) and
+    ``measured`` (knockout measured by `Attribution.verify`, ``None`` where not measured);
+    ``None`` for other methods."""
+    exact: Tensor | None = getattr(result, "exact", None)
+    if exact is None:
+        return {"exact": None, "measured": None}
+    verified: dict[str, Tensor] = getattr(result, "_verified", {})
+    measured: list[float | None] = [None] * exact.shape[1]
+    if verified:
+        for s in verified["sources"][b].nonzero()[:, 0].tolist():
+            measured[s] = rounded(float(verified["knockout"][b, s]))
+    return {"exact": exact[b].tolist(), "measured": measured}
 
 
 def _components(result: ShownAttribution) -> tuple[list[str] | None, Tensor | None, str | None]:

@@ -4,6 +4,8 @@
 function renderAttribution(body, data, tip) {
   // selected: the token shown; chosen: whether the reader picked it (else the default)
   const state = { batch: 0, selected: null, chosen: false, pinned: false, layer: null, route: null };
+  // knockout_estimate: scores and edges predict what blocking would change (T - T blocked)
+  const predicts = data.method === "knockout_estimate";
   const parts = {};
 
   function seq() { return data.sequences[state.batch]; }
@@ -34,7 +36,12 @@ function renderAttribution(body, data, tip) {
       el("p", { class: "cwv-note", "data-note": "shares" }, "Percentages are shares of the target: a part's value "
         + "divided by T = " + plain(s.target_value) + ". Parts have both signs (blue raises T, red lowers it), "
         + "so one part can be more than 100% of T, or negative, when others pull the other way; the scores "
-        + "and the " + (data.method === "connection" ? "bias" : "rest") + " together make 100%."));
+        + "and the " + (data.method === "connection" ? "bias" : "rest") + " together make 100%."),
+      predicts ? el("p", { class: "cwv-note", "data-note": "knockout" }, "Each score predicts knockout: "
+        + "T minus T with that token blocked from every other query in every layer, the attention "
+        + "renormalised around the gap. Underlined tokens were knocked out for real (their score is "
+        + "knockout's own value); a dashed box marks a token whose knockout Attribution.verify measured.")
+        : null);
   }
 
   function tokens() {
@@ -42,7 +49,8 @@ function renderAttribution(body, data, tip) {
     const max = maxAbs(s.scores);
     const row = el("div", { class: "cwv-tokens" });
     parts.chips = s.tokens.map((label, i) => el("span", {
-      class: "cwv-tok" + (i === s.position ? " target" : ""),
+      class: "cwv-tok" + (i === s.position ? " target" : "") + (s.exact && s.exact[i] ? " exact" : "")
+        + (s.measured && s.measured[i] !== null ? " measured" : ""),
       "data-pos": String(i),
       style: { background: diverging(s.scores[i], max), color: inkOn(s.scores[i], max) },
       on: {
@@ -102,7 +110,15 @@ function renderAttribution(body, data, tip) {
     const s = seq();
     const i = state.selected;
     box.append(el("div", { class: "big" }, tokenName(i) + (i === s.position ? " \u00b7 target position" : "")),
-      el("div", {}, "score ", el("b", { class: "mono" }, signed(s.scores[i])), share(s.scores[i])));
+      el("div", {}, predicts ? "predicted knockout " : "score ", el("b", { class: "mono" }, signed(s.scores[i])),
+        share(s.scores[i])));
+    if (s.exact && s.exact[i]) {
+      box.append(el("div", { class: "cwv-note" }, "Knocked out for real: this score is knockout's own value."));
+    }
+    if (s.measured && s.measured[i] !== null) {
+      box.append(el("div", {}, "knockout measured ", el("b", { class: "mono" }, signed(s.measured[i])),
+        " (prediction error " + signed(s.scores[i] - s.measured[i]) + ")"));
+    }
     if (s.components) {
       const values = s.components.map((row) => row[i]);
       box.append(el("h3", {}, "Largest direct paths into the target, from this token"),
@@ -198,8 +214,9 @@ function renderAttribution(body, data, tip) {
         y: String(v >= 0 ? 28 - h : 28), height: String(Math.max(h, 0.5)),
         fill: diverging(v, tmax), stroke: k === l ? "#111" : "none", "stroke-width": "1.5" });
       bar.addEventListener("click", () => { state.layer = k; flows(); });
-      bar.addEventListener("mousemove", (ev) => tip.show(ev, "layer " + k + ": all its edges carry "
-        + signed(v) + share(v) + "\n(T minus T with this layer's heads silenced)"));
+      bar.addEventListener("mousemove", (ev) => tip.show(ev, predicts
+        ? "layer " + k + ": blocking its edges one at a time changes T by " + signed(v) + share(v) + " in all (predicted)"
+        : "layer " + k + ": all its edges carry " + signed(v) + share(v) + "\n(T minus T with this layer's heads silenced)"));
       bar.addEventListener("mouseleave", () => tip.hide());
       strip.appendChild(bar);
       if (totals.length <= 16 || k % 2 === 0 || k === l) {
@@ -218,7 +235,9 @@ function renderAttribution(body, data, tip) {
     });
     const shown = s.edges[l].reduce((a, e) => a + e.value, 0);
     box.append(el("h2", {}, "Edge flows: the " + data.top_edges + " strongest edges of each layer"),
-      el("p", { class: "cwv-note" }, "Bars: what all the edges of a layer carry (click one). Arcs: key (sender) \u2192 query (receiver, dot), width by |share of the target| on one scale for every layer, blue raises the target and red lowers it."),
+      el("p", { class: "cwv-note" }, predicts
+        ? "Bars: the predicted effects of blocking each edge of a layer, summed (click one). Arcs: key (sender) \u2192 query (receiver, dot), width by |predicted T - T with that one edge blocked| on one scale for every layer, blue: blocking it lowers the target, red: raises it."
+        : "Bars: what all the edges of a layer carry (click one). Arcs: key (sender) \u2192 query (receiver, dot), width by |share of the target| on one scale for every layer, blue raises the target and red lowers it."),
       strip,
       el("div", { class: "cwv-layers" },
         el("button", { on: { click: () => move(-1) } }, "\u25c0"),
@@ -226,7 +245,11 @@ function renderAttribution(body, data, tip) {
         el("button", { on: { click: () => move(1) } }, "\u25b6"),
         el("span", { class: "cwv-sub" }, "all edges " + signed(totals[l]) + share(totals[l])
           + "; the " + s.edges[l].length + " drawn " + signed(shown) + share(shown))),
-      el("p", { class: "cwv-note" }, "What all the edges of layer " + l + " carry is T minus what the network "
+      el("p", { class: "cwv-note" }, predicts
+        ? "Each edge's value predicts T minus T with key \u2192 query blocked in the heads of layer " + l
+          + ", the sum of each head's single block (listed per head, to first order). The drawn edges are the "
+          + "largest by |value|, of either sign."
+        : "What all the edges of layer " + l + " carry is T minus what the network "
         + "gives with that layer's heads silenced; it can exceed T (above 100%) when the rest of the network "
         + "pulls the other way. The drawn edges are the largest by |value|, of either sign."),
       arcDiagram(s.tokens, edges, { width: body.clientWidth || 1100, vmax, tip,
