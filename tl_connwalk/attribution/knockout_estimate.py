@@ -14,8 +14,10 @@ kept beside the edges so that an edge keeps meaning "what blocking this edge wou
 Knockout runs are made once per distinct sequence of the batch and read for every target on it.
 """
 
+import contextlib
 import dataclasses
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -109,6 +111,28 @@ def _per_head(x: Tensor, n_heads: int, d_head: int) -> Float[Tensor, "batch pos 
     return x.repeat_interleave(n_heads // x.shape[2], dim=2)
 
 
+@contextlib.contextmanager
+def _unembedding_at(model: nn.Module, positions: Tensor | None) -> Iterator[Tensor | None]:
+    """Inside, the model's unembedding reads only the positions ``positions`` ``[batch]`` hold
+    (their distinct values, in order), so the logits of no other position are made; yields each
+    sequence's index into those logits ``[batch]`` (``positions`` itself when ``None``: every
+    position as usual)."""
+    if positions is None:
+        yield None
+        return
+    kept = positions.unique()
+    unembed: nn.Module = model.unembed  # type: ignore[assignment]
+
+    def only(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (args[0][:, kept.to(args[0].device)], *args[1:])
+
+    handle = unembed.register_forward_pre_hook(only)
+    try:
+        yield torch.searchsorted(kept, positions)
+    finally:
+        handle.remove()
+
+
 def _first_order(
     model: nn.Module,
     tokens: Int[Tensor, "batch pos"],
@@ -122,7 +146,16 @@ def _first_order(
     run = _Run()
     read_hook = stop_at or f"blocks.{n_layers - 1}.hook_resid_post"
     hooks = _recording_hooks(model, run, read_hook)
-    with torch.enable_grad(), constant_weights(model):
+    batch, n_pos = tokens.shape
+    pos = targets.positions(position, batch, n_pos).to(tokens.device)
+    reads_logits = stop_at is None and not (
+        isinstance(target, Tensor) and target.is_floating_point()
+    )
+    with (
+        torch.enable_grad(),
+        constant_weights(model),
+        _unembedding_at(model, pos if reads_logits else None) as at,
+    ):
         logits = run_until(model, tokens, hooks, stop_at, **mask_kwargs(model, attention_mask))
         if "activation" not in run.read:
             raise ConnWalkError(
@@ -131,7 +164,10 @@ def _first_order(
             )
         activation = run.read["activation"]
         target_ = targets.resolve(
-            target, position, None if logits is None else logits.detach(), activation.detach()
+            target,
+            pos if at is None else at,
+            None if logits is None else logits.detach(),
+            activation.detach(),
         )
         y = targets.clean_value(target_, logits, activation)
         layers = sorted(run.z)
@@ -146,7 +182,7 @@ def _first_order(
         grads = torch.autograd.grad(
             y.sum(), [run.probe[layer] for layer in layers], allow_unused=True
         )
-    batch, n_pos = tokens.shape
+    target_ = dataclasses.replace(target_, position=pos)
     edges = y.new_zeros(n_layers, batch, n_heads, n_pos, n_pos)
     for layer, grad in zip(layers, grads, strict=True):
         if grad is None:  # a layer the target does not read
@@ -204,14 +240,18 @@ def knock_out(
             ]
         )
 
-    values = baselines.block_keys(
-        model,
-        distinct[:, :n_pos],
-        keys,
-        read,
-        read_hook=targets.read_at(target, model),
-        attention_mask=None if attention_mask is None else distinct[:, n_pos:],
-    )  # [run, seq, batch]
+    logits_read = target.kind in ("logit", "logit_diff")
+    with _unembedding_at(model, target.position if logits_read else None) as at:
+        if at is not None:  # the logits of the target positions alone
+            target = dataclasses.replace(target, position=at)
+        values = baselines.block_keys(
+            model,
+            distinct[:, :n_pos],
+            keys,
+            read,
+            read_hook=targets.read_at(target, model),
+            attention_mask=None if attention_mask is None else distinct[:, n_pos:],
+        )  # [run, seq, batch]
     rows = torch.arange(batch, device=tokens.device)
     for r in range(n_runs):
         source = order[inverse, r]  # [batch]: what run r blocked in each target's sequence

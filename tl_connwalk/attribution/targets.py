@@ -106,7 +106,8 @@ def _ids(value: int | Tensor, batch: int, d_vocab: int, what: str) -> Tensor:
     return ids
 
 
-def _positions(position: int | Tensor, batch: int, n_pos: int) -> Tensor:
+def positions(position: int | Tensor, batch: int, n_pos: int) -> Tensor:
+    """``position`` checked and made ``[batch]`` non-negative indices into ``n_pos``."""
     given: Tensor | None
     try:
         given = torch.as_tensor(position)
@@ -231,7 +232,7 @@ def resolve(
     ``activation``: what the target reads, ``r_final`` or the activation at its hook.
     """
     batch, n_pos = activation.shape[:2]
-    pos = _positions(position, batch, n_pos).to(activation.device)
+    pos = positions(position, batch, n_pos).to(activation.device)
     if isinstance(target, tuple) and len(target) == 2 and isinstance(target[0], str | nn.Module):
         return _hook_target(target, pos, activation, activation.shape[:2])
     if logits is None:
