@@ -107,6 +107,59 @@ for b in range(N_SEQUENCES):
     )
 
 # %% [markdown]
+# The two methods answer different questions: the connection method what each source *sent*
+# along the paths the model used, knockout what would *change* without it, the attention
+# re-forming around the gap. `method="knockout_estimate"` predicts knockout from one forward
+# and one backward pass (the renormalised attention of a blocked key, edge by edge, read along
+# the model's gradient), with the first position and the one nearest the target knocked out
+# for real. `verify(k)` measures knockout on the `k` largest predictions beside them.
+
+# %%
+estimate = tl_connwalk.attribute(
+    model, tokens, target=answer, position=-1, method="knockout_estimate"
+)
+for b in range(N_SEQUENCES):
+    p, k = estimate.scores[b, earlier], knock.scores[b, earlier]
+    print(
+        f"sequence {b}: top source predicted {labels[int(p.argmax())]:>4}, "
+        f"by knockout {labels[int(k.argmax())]:>4}; Spearman {spearman(p, k):+.2f}"
+    )
+checked = estimate.verify(3)
+checked["source"] = [labels[s] for s in checked["source"]]
+print(checked.round(3).to_string())
+
+# %% [markdown]
+# `edges(layer)` of the estimate is the predicted effect of blocking one edge (one layer, one
+# head, one query, one key): the edges whose loss would hurt the induction most. Each is then
+# blocked for real at `hook_attn_scores`, alone, to compare.
+
+# %%
+predicted = torch.stack([estimate.edges(layer).mean(0) for layer in range(model.cfg.n_layers)])
+top_edges = predicted.flatten().topk(5).indices
+rows = []
+for index in top_edges.tolist():
+    layer, head, query, key = np.unravel_index(index, predicted.shape)
+
+    def block(scores, hook, head=head, query=query, key=key):
+        scores = scores.clone()
+        scores[:, head, query, key] = float("-inf")
+        return scores
+
+    with torch.no_grad():
+        out = model.run_with_hooks(
+            tokens, fwd_hooks=[(f"blocks.{layer}.attn.hook_attn_scores", block)]
+        )[:, -1]
+    blocked_logit = out.gather(1, answer[:, None])[:, 0]
+    rows.append(
+        {
+            "edge": f"L{layer}H{head}: {labels[key]} -> {labels[query]}",
+            "predicted drop": float(predicted[layer, head, query, key]),
+            "measured drop": float((estimate.target_value - blocked_logit).mean()),
+        }
+    )
+print(pd.DataFrame(rows).round(3).to_string(index=False))
+
+# %% [markdown]
 # ## Which heads? `by_component`
 #
 # `by_component()` splits each source's score over the components that write to the residual
@@ -287,7 +340,8 @@ print(pd.DataFrame(summary).T.round(2).to_string())
 #   matter the two disagree, and neither is wrong: they answer different questions ("what
 #   did `e_s` send along the paths the model used" against "what happens if nobody may read
 #   position `s`"). The freeze ladder on the faithfulness page measures which of these
-#   linearisations separates them.
+#   linearisations separates them; `method="knockout_estimate"` answers knockout's question,
+#   to first order beyond the sources it knocks out for real, and `verify` shows its error.
 # - Knockout cannot score the target position itself, so the comparisons leave it out; the
 #   connection method gives it its (often large) share.
 # - `by_component` is the direct path of each head; patching `hook_z` measures the total
