@@ -180,6 +180,7 @@ def test_a_baseline_has_scores_only_and_says_why():
     for part in ("components", "edges", "routes"):
         assert "method='connection'" in data["notes"][part]
     assert "method='rollout'" in data["notes"]["routes"]
+    assert data["shares"] is False and attribution_data(attribution())["shares"] is True
 
 
 def test_a_knockout_estimate_shows_its_edges_exact_sources_and_what_verify_measured():

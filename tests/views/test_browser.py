@@ -67,13 +67,15 @@ def browse(page: Path, *options: str) -> str:
 
 
 def drawn(page: Path) -> tuple[Page, str]:
-    """The drawn DOM, parsed and as text, checked to be drawn without error or reference."""
+    """The drawn DOM, parsed, and its markup without the page's own script and style (so that
+    text found there was drawn, not merely written in the code); checked to be drawn without
+    error or reference."""
     text = browse(page, "--dump-dom")
     dom = Page(text)
     [root] = [attrs for attrs in dom.named("div") if attrs.get("class") == "cwv"]
     assert root.get("data-state") == "ok", "the view's script failed"
     assert dom.external() == []
-    return dom, text
+    return dom, re.sub(r"<(script|style)\b.*?</\1>", "", text, flags=re.DOTALL)
 
 
 def classes(attrs: dict[str, str | None]) -> set[str]:
@@ -114,6 +116,7 @@ def test_a_baseline_method_draws_its_scores_only(tmp_path):
     assert len(chips) == 9
     assert dom.named("table") == [] and dom.named("path") == []  # no grid, no edge flows
     assert "No routes: routes belong to method=" in html.unescape(text)
+    assert "% of T" not in text  # its scores do not split the target
 
 
 def test_walk_page_draws_heatmaps_and_arcs(tmp_path):

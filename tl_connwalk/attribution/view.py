@@ -95,8 +95,10 @@ def attribution_data(
 
     Fields a method does not define (``by_component``, ``edges`` and routes belong to
     ``method="connection"``) are ``None``, with the reason in ``data["notes"]``; the page then
-    shows the scores alone. Numbers keep `tl_connwalk.views.numbers.DIGITS` significant
-    digits.
+    shows the scores alone. ``data["shares"]``: whether the page writes each part as a share
+    of the target, ``value / target_value``: only for ``method="connection"``, whose scores
+    and bias split the target exactly (a baseline's scores have the method's own units).
+    Numbers keep `tl_connwalk.views.numbers.DIGITS` significant digits.
 
     >>> data = attribution_data(tl_connwalk.attribute(model, tokens), top_edges=3)
     >>> len(data["sequences"]), len(data["sequences"][0]["edges"][0])
@@ -145,6 +147,7 @@ def attribution_data(
     return {
         "kind": "attribution",
         "method": result.method,
+        "shares": result.method == "connection",
         "sequences": sequences,
         "components": layout,
         "n_layers": n_layers,

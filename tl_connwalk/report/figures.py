@@ -69,7 +69,7 @@ def _band(
 def walk_heatmaps(walks: dict[int, np.ndarray], subtitle: str, path: Path) -> Path:
     """``W_ij`` of each layer in ``walks`` (sequence 0) on a log colour scale; zeros grey."""
     layers = sorted(walks)
-    fig = _figure(4.6)
+    fig = _figure(4.2)
     axes = fig.subplots(1, len(layers), squeeze=False)[0]
     positive = [w[w > 0] for w in walks.values()]
     floor = max(1e-4, min(float(p.min()) for p in positive if p.size))

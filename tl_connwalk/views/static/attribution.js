@@ -13,7 +13,7 @@ function renderAttribution(body, data, tip) {
   // a part's share of the target T (value / T): see the note under the header
   function percent(value) {
     const total = seq().target_value;
-    return total ? (100 * value / total).toFixed(1) + "% of T" : null;
+    return data.shares && total ? (100 * value / total).toFixed(1) + "% of T" : null;
   }
   function share(value) { const p = percent(value); return p ? " (" + p + ")" : ""; }
 
@@ -24,7 +24,7 @@ function renderAttribution(body, data, tip) {
     });
     if (select) select.querySelector("select").value = String(state.batch);
     const sources = s.scores.reduce((a, v) => a + v, 0);
-    const rest = data.method === "connection" ? "bias (what no source sent)" : "unexplained rest";
+    const rest = data.shares ? "bias (what no source sent)" : "what the method leaves unexplained";
     return el("div", {},
       el("div", { class: "cwv-header" },
         el("span", { class: "cwv-title" }, "Attribution"),
@@ -33,10 +33,12 @@ function renderAttribution(body, data, tip) {
         el("span", { class: "cwv-sub" }, "T = sum of the scores " + signed(sources) + " + " + rest + " "
           + signed(s.bias)),
         select),
-      el("p", { class: "cwv-note", "data-note": "shares" }, "Percentages are shares of the target: a part's value "
-        + "divided by T = " + plain(s.target_value) + ". Parts have both signs (blue raises T, red lowers it), "
-        + "so one part can be more than 100% of T, or negative, when others pull the other way; the scores "
-        + "and the " + (data.method === "connection" ? "bias" : "rest") + " together make 100%."),
+      el("p", { class: "cwv-note", "data-note": "shares" }, data.shares
+        ? "Percentages are shares of the target: a part's value divided by T = " + plain(s.target_value)
+          + ". Parts have both signs (blue raises T, red lowers it), so one part can be more than 100% of T, "
+          + "or negative, when others pull the other way; the scores and the bias together make 100%."
+        : "Scores of method " + data.method + " are in that method's own units, not a split of T: no "
+          + "percentages of T are shown."),
       predicts ? el("p", { class: "cwv-note", "data-note": "knockout" }, "Each score predicts knockout: "
         + "T minus T with that token blocked from every other query in every layer, the attention "
         + "renormalised around the gap. Underlined tokens were knocked out for real (their score is "
