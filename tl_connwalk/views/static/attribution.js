@@ -37,6 +37,7 @@ function renderAttribution(body, data, tip) {
         ? "Percentages are shares of the target: a part's value divided by T = " + plain(s.target_value)
           + ". Parts have both signs (blue raises T, red lowers it), so one part can be more than 100% of T, "
           + "or negative, when others pull the other way; the scores and the bias together make 100%."
+        : predicts ? "Scores are predicted changes of T, in T's units; one per source, they need not add up to T."
         : "Scores of method " + data.method + " are in that method's own units, not a split of T: no "
           + "percentages of T are shown."),
       predicts ? el("p", { class: "cwv-note", "data-note": "knockout" }, "Each score predicts knockout: "
