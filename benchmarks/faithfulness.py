@@ -167,26 +167,36 @@ def batch_of(group: list[Target]) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def run_ours(
-    model: nn.Module, group: list[Target], problems: dict[str, str], methods: tuple[str, ...]
+    model: nn.Module,
+    group: list[Target],
+    problems: dict[str, str],
+    methods: tuple[str, ...],
+    exact: tuple[int, ...] = (),
 ) -> None:
     """Every `attribute` method on the group; a method the model's architecture does not
-    admit (a ConnWalkError) is recorded in ``problems`` with its reason."""
+    admit (a ConnWalkError) is recorded in ``problems`` with its reason. ``exact``: further
+    rows of ``knockout_estimate``, one per number of sources knocked out for real."""
     tokens, position, token = batch_of(group)
-    for method in methods:
-        if method in problems:
+    runs = [(method, method, {}) for method in methods]
+    if "knockout_estimate" in methods:
+        runs += [
+            (f"knockout_estimate (exact={k})", "knockout_estimate", {"exact": k}) for k in exact
+        ]
+    for label, method, options in runs:
+        if label in problems:
             continue
         try:
             result, seconds = timed(
-                lambda method=method: tl_connwalk.attribute(
-                    model, tokens, target=token, position=position, method=method
+                lambda method=method, options=options: tl_connwalk.attribute(
+                    model, tokens, target=token, position=position, method=method, **options
                 )
             )
         except tl_connwalk.ConnWalkError as error:
-            problems[method] = str(error).split(" Use ")[0]
+            problems[label] = str(error).split(" Use ")[0]
             continue
         for b, t in enumerate(group):
-            t.scores[method] = result.scores[b].detach().double()
-            t.seconds[method] = seconds / len(group)
+            t.scores[label] = result.scores[b].detach().double()
+            t.seconds[label] = seconds / len(group)
             if method == "connection":
                 t.value = float(result.target_value[b])
 
@@ -576,7 +586,7 @@ def run_model(
                 continue
             group = targets_of(model, name, domain, w, ids)
             base = baseline_seconds(model, group[0].tokens)
-            run_ours(model, group, problems, args.methods)
+            run_ours(model, group, problems, args.methods, tuple(args.exact))
             run_knockout(model, group)
             if "captum" in peers:
                 run_captum(model, group)
@@ -795,6 +805,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--edge-check", type=int, default=0, help="decoder windows in the edge check"
+    )
+    parser.add_argument(
+        "--exact",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also score knockout_estimate with these numbers of sources knocked out for real",
     )
     args = parser.parse_args(argv)
     if args.pick is not None and not all(0 <= w < args.windows for w in args.pick):
