@@ -64,7 +64,6 @@ class Estimate:
 class _Run:
     """What the real forward pass recorded, per layer that ran."""
 
-    z: dict[int, Tensor] = dataclasses.field(default_factory=dict)
     probe: dict[int, Tensor] = dataclasses.field(default_factory=dict)
     v: dict[int, Tensor] = dataclasses.field(default_factory=dict)
     pattern: dict[int, Tensor] = dataclasses.field(default_factory=dict)
@@ -83,7 +82,7 @@ def _probe(run: "_Run", layer: int, x: Tensor, hook: Any) -> Tensor:
     """``hook_z`` plus a zero leaf (``run.probe``): the target's gradient with respect to the
     leaf is its gradient at ``hook_z``, on every model class (a Bridge hands the hook a view of
     what it goes on with, and goes on with what the hook returns)."""
-    _keep(run.z, run.order, "z", layer, x, hook)
+    run.order.append(f"{layer}.z")
     run.probe[layer] = torch.zeros_like(x, requires_grad=True)
     return x + run.probe[layer]
 
@@ -170,7 +169,7 @@ def _first_order(
             activation.detach(),
         )
         y = targets.clean_value(target_, logits, activation)
-        layers = sorted(run.z)
+        layers = sorted(run.probe)
         z_0, pattern_0 = "0.z", "0.pattern"
         if z_0 in run.order and pattern_0 in run.order:
             baselines.check_blockable(model, run.order.index(pattern_0) > run.order.index(z_0))
@@ -179,21 +178,26 @@ def _first_order(
                 f"{type(model).__name__} fires hook_z without hook_v or hook_pattern in some "
                 "layer; knockout_estimate reads all three (spec §7)."
             )
-        grads = torch.autograd.grad(
-            y.sum(), [run.probe[layer] for layer in layers], allow_unused=True
-        )
+        # each layer's edges are made as its gradient arrives, and its pattern and values let
+        # go, while the backward pass frees the graph of the layers above
+        edges: list[Tensor | None] = [None] * n_layers
+        d_head = int(config(model).d_head)
+
+        def blocked(layer: int, grad: Tensor) -> None:
+            edges[layer] = blocking.edge_effects(
+                run.pattern.pop(layer),
+                _per_head(grad, n_heads, d_head),
+                _per_head(run.v.pop(layer), n_heads, d_head),
+            )
+
+        for layer in layers:
+            run.probe[layer].register_hook(functools.partial(blocked, layer))
+        probes = [run.probe.pop(layer) for layer in layers]
+        torch.autograd.backward(y.sum(), inputs=probes)
     target_ = dataclasses.replace(target_, position=pos)
-    edges = y.new_zeros(n_layers, batch, n_heads, n_pos, n_pos)
-    for layer, grad in zip(layers, grads, strict=True):
-        if grad is None:  # a layer the target does not read
-            continue
-        d_head = run.z[layer][0, 0].numel() // n_heads
-        edges[layer] = blocking.edge_effects(
-            run.pattern[layer],
-            _per_head(grad, n_heads, d_head),
-            _per_head(run.v[layer], n_heads, d_head),
-        )
-    return target_, y.detach(), edges
+    shape = (batch, n_heads, n_pos, n_pos)
+    layer_edges = [y.new_zeros(shape) if e is None else e for e in edges]  # layers not read
+    return target_, y.detach(), torch.stack(layer_edges)
 
 
 def knock_out(
