@@ -326,27 +326,11 @@ class FrozenNetwork:
         a ``TransformerBridge`` (its blocks wrap Hugging Face's), an ``F`` that stops
         inside the network (``stop_at``) and a model with hooks of its own on any hook point
         (a recomputation would run them again) keep the whole graph."""
-        if self.stop_at is not None or is_bridge(self.model) or _has_hooks(self.model):
+        if self.stop_at is not None:
             yield
             return
-        blocks: nn.ModuleList = self.model.blocks  # type: ignore[assignment]
-
-        def contexts() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
-            hooks = self.hooks(embeddings, {}, overrides)
-            return constant_weights(self.model), _with_hooks(self.model, hooks)
-
-        wrapped: list[nn.Module] = []
-        try:
-            for block in blocks:
-                if "forward" not in vars(block):  # a forward set on the block itself stays
-                    block.forward = functools.partial(
-                        checkpoint, block.forward, use_reentrant=False, context_fn=contexts
-                    )
-                    wrapped.append(block)
+        with recomputing_blocks(self.model, lambda: self.hooks(embeddings, {}, overrides)):
             yield
-        finally:
-            for block in wrapped:
-                del block.forward
 
     @contextmanager
     def unembedding_input(self) -> Iterator[list[Tensor]]:
@@ -399,6 +383,40 @@ class FrozenNetwork:
             self.tokens.repeat(repeat, 1), fwd_hooks=hooks, **mask_kwargs(self.model, mask)
         )
         return logits
+
+
+@contextmanager
+def recomputing_blocks(
+    model: nn.Module, hooks: Callable[[], list[tuple[str, HookFn]]]
+) -> Iterator[None]:
+    """Inside, a forward pass through ``model.blocks`` keeps only each block's inputs for a
+    backward pass, which recomputes one block at a time with ``hooks()`` on the model and its
+    weights constant (activation checkpointing, `torch.utils.checkpoint`): a graph through the
+    model then holds the activations of one block, not of every layer. Each block's
+    ``forward`` is restored on exit, even on error; the backward pass may come after.
+    ``HookedTransformer`` and ``HookedEncoder`` only: a ``TransformerBridge`` (its blocks wrap
+    Hugging Face's) and a model with hooks of its own on any hook point (a recomputation would
+    run them again) keep the whole graph."""
+    if is_bridge(model) or _has_hooks(model):
+        yield
+        return
+    blocks: nn.ModuleList = model.blocks  # type: ignore[assignment]
+
+    def contexts() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+        return constant_weights(model), _with_hooks(model, hooks())
+
+    wrapped: list[nn.Module] = []
+    try:
+        for block in blocks:
+            if "forward" not in vars(block):  # a forward set on the block itself stays
+                block.forward = functools.partial(
+                    checkpoint, block.forward, use_reentrant=False, context_fn=contexts
+                )
+                wrapped.append(block)
+        yield
+    finally:
+        for block in wrapped:
+            del block.forward
 
 
 @contextmanager

@@ -30,6 +30,7 @@ from tl_connwalk.attribution.frozen import (
     config,
     constant_weights,
     mask_kwargs,
+    recomputing_blocks,
     run_until,
 )
 from tl_connwalk.errors import ConnWalkError
@@ -83,7 +84,8 @@ def _probe(run: "_Run", layer: int, x: Tensor, hook: Any) -> Tensor:
     leaf is its gradient at ``hook_z``, on every model class (a Bridge hands the hook a view of
     what it goes on with, and goes on with what the hook returns)."""
     run.order.append(f"{layer}.z")
-    run.probe[layer] = torch.zeros_like(x, requires_grad=True)
+    if layer not in run.probe:  # a block recomputed in the backward pass adds the same leaf
+        run.probe[layer] = torch.zeros_like(x, requires_grad=True)
     return x + run.probe[layer]
 
 
@@ -150,10 +152,15 @@ def _first_order(
     reads_logits = stop_at is None and not (
         isinstance(target, Tensor) and target.is_floating_point()
     )
+    # a target inside the network stops the pass: the whole (shorter) graph is kept
+    recompute = (
+        recomputing_blocks(model, lambda: hooks) if stop_at is None else contextlib.nullcontext()
+    )
     with (
         torch.enable_grad(),
         constant_weights(model),
         _unembedding_at(model, pos if reads_logits else None) as at,
+        recompute,
     ):
         logits = run_until(model, tokens, hooks, stop_at, **mask_kwargs(model, attention_mask))
         if "activation" not in run.read:
@@ -178,8 +185,8 @@ def _first_order(
                 f"{type(model).__name__} fires hook_z without hook_v or hook_pattern in some "
                 "layer; knockout_estimate reads all three (spec §7)."
             )
-        # each layer's edges are made as its gradient arrives, and its pattern and values let
-        # go, while the backward pass frees the graph of the layers above
+        # each layer's edges are made as its gradient arrives (its block recomputed first, on a
+        # HookedTransformer or HookedEncoder), and its pattern and values let go
         edges: list[Tensor | None] = [None] * n_layers
         d_head = int(config(model).d_head)
 
@@ -192,7 +199,7 @@ def _first_order(
 
         for layer in layers:
             run.probe[layer].register_hook(functools.partial(blocked, layer))
-        probes = [run.probe.pop(layer) for layer in layers]
+        probes = [run.probe[layer] for layer in layers]
         torch.autograd.backward(y.sum(), inputs=probes)
     target_ = dataclasses.replace(target_, position=pos)
     shape = (batch, n_heads, n_pos, n_pos)
