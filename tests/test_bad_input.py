@@ -7,7 +7,12 @@ package's namespace (``tl_connwalk.__all__``), `tl_connwalk.ablations`, `tl_conn
 no place in `TAKES_NO_ARGUMENTS` or `RECORDS`. Each row runs on a small random model of each
 class the installed TransformerLens has (``HookedTransformer`` on 2.x and 3.x,
 ``TransformerBridge`` on 3.x and 4.x), with jaxtyping's runtime checks off: users run without
-them, so the errors here are the ones users see.
+them, so the errors here are the ones users see. A call Python itself refuses (more positional
+arguments than the function takes) raises Python's ``TypeError`` as for any function; options
+passed on through ``**options`` are named by tl_connwalk.
+
+Rows marked ``xfail`` (`ATTRIBUTE`, `VIEWS`) are checks that belong to modules outside this
+table's fixes; each turns into a failure (strict) once its check is made.
 """
 
 import dataclasses

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from tl_connwalk.adapters import adapter_for, resolve_layer
+from tl_connwalk.adapters import adapter_for, resolve_layers
 from tl_connwalk.adapters.hooked_transformer import is_encoder
 from tl_connwalk.analysis import geometry_table
 from tl_connwalk.cache import n_layers_of_model, required_hooks
@@ -217,7 +217,7 @@ def analyze(
         data: an iterable of strings, a ``datasets.Dataset`` with a ``"text"`` column, an
             integer token tensor ``[n, pos]`` (``pos >= 2``), or an iterable of such tensors.
         batch_size, seq_len: sequences per forward pass, and tokens per window for texts.
-        layers: the layers to measure (default all).
+        layers: the layers to measure (default all; negative counts from the end).
         max_batches: stop after this many batches (counted over all ranks).
         distributed: data parallel over a ``torch.distributed`` process group (``torchrun``,
             one process per device): rank ``r`` of ``W`` takes batches ``r, r + W, ...``, and
@@ -252,12 +252,7 @@ def analyze(
     rank, world = rank_and_world(distributed)
     n_layers = n_layers_of_model(model)
     adapter = adapter_for(model)
-    chosen = sorted(
-        {
-            resolve_layer(adapter, model, layer)
-            for layer in (range(n_layers) if layers is None else layers)
-        }
-    )
+    chosen = sorted(set(resolve_layers(adapter, model, layers)))
     hooked = sorted({*chosen, *(layer + 1 for layer in chosen if layer + 1 < n_layers)})
     names = required_hooks(model, hooked)
     device = _input_device(model)

@@ -34,6 +34,7 @@ from rich.console import Console
 from torch import nn
 
 import tl_connwalk
+from tl_connwalk.adapters import adapter_for, resolve_layers
 from tl_connwalk.analysis import geometry_table
 from tl_connwalk.cache import n_layers_of_model
 from tl_connwalk.errors import ConnWalkError
@@ -95,13 +96,8 @@ def _publish(staging: Path, out: Path) -> None:
 
 
 def _layers(model: nn.Module, chosen: Sequence[int] | None) -> list[int]:
-    n_layers = n_layers_of_model(model)
-    if chosen is None:
-        return list(range(n_layers))
-    bad = [layer for layer in chosen if not -n_layers <= layer < n_layers]
-    if bad:
-        raise ConnWalkError(f"--layers {bad} out of range: the model has {n_layers} layers.")
-    return sorted({layer % n_layers for layer in chosen})
+    """The report's layers, sorted, each once; negative counts from the end."""
+    return sorted(set(resolve_layers(adapter_for(model), model, chosen)))
 
 
 def heatmap_layers(layers: Sequence[int]) -> list[int]:
