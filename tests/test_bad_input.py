@@ -10,9 +10,6 @@ class the installed TransformerLens has (``HookedTransformer`` on 2.x and 3.x,
 them, so the errors here are the ones users see. A call Python itself refuses (more positional
 arguments than the function takes) raises Python's ``TypeError`` as for any function; options
 passed on through ``**options`` are named by tl_connwalk.
-
-Rows marked ``xfail`` (`ATTRIBUTE`, `VIEWS`) are checks that belong to modules outside this
-table's fixes; each turns into a failure (strict) once its check is made.
 """
 
 import dataclasses
@@ -117,15 +114,14 @@ class Row:
     api: str
     bad: str
     call: Callable[[World], object]
-    xfail: str | None = None
 
     @property
     def id(self) -> str:
         return f"{self.api}: {self.bad}"
 
 
-def rows(api: str, xfail: str | None = None, **cases: Callable[[World], object]) -> list[Row]:
-    return [Row(api, bad.replace("_", " "), call, xfail) for bad, call in cases.items()]
+def rows(api: str, **cases: Callable[[World], object]) -> list[Row]:
+    return [Row(api, bad.replace("_", " "), call) for bad, call in cases.items()]
 
 
 def unattached_cache_method(w: World) -> object:
@@ -237,7 +233,6 @@ def transport_rows(name: str) -> list[Row]:
 
 #: rows that fail where the input is checked in tl_connwalk/attribution/api.py and frozen.py
 #: rows that fail where a page is written, tl_connwalk/views (View.save, token_labels, walk_data)
-VIEWS = "the views check paths, labels and contributions in tl_connwalk/views, not yet these"
 
 ROWS: list[Row] = [
     # --- tl_connwalk ---------------------------------------------------------------------
@@ -583,7 +578,6 @@ ROWS: list[Row] = [
     ),
     *rows(
         "ConnectionWalk.to_html",
-        xfail=VIEWS,
         path_None=lambda w: w.walk.to_html(None),
         path_a_number=lambda w: w.walk.to_html(5),
         path_in_a_missing_folder=lambda w: w.walk.to_html("/no/such/folder/walk.html"),
@@ -677,7 +671,6 @@ ROWS: list[Row] = [
     ),
     *rows(
         "Attribution.to_html",
-        xfail=VIEWS,
         path_None=lambda w: w.attribution.to_html(None),
         path_in_a_missing_folder=lambda w: w.attribution.to_html("/no/such/folder/a.html"),
     ),
@@ -968,11 +961,7 @@ def test_every_public_callable_has_bad_input_rows():
 
 
 def _params() -> list[Any]:
-    marks = []
-    for row in ROWS:
-        mark = [pytest.mark.xfail(strict=True, reason=row.xfail)] if row.xfail else []
-        marks.append(pytest.param(row, id=row.id, marks=mark))
-    return marks
+    return [pytest.param(row, id=row.id) for row in ROWS]
 
 
 @pytest.mark.parametrize("row", _params())

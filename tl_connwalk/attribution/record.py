@@ -10,6 +10,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from tl_connwalk.attribution.routes import Route, RouteTable
+from tl_connwalk.core.checks import checked_index
 from tl_connwalk.errors import ConnWalkError
 
 if TYPE_CHECKING:
@@ -201,11 +202,9 @@ class Attribution:
         self._only("edges", also=("knockout_estimate",))
         assert self._edges is not None
         n_layers = self._edges.shape[0]
-        if isinstance(layer, bool) or not isinstance(layer, int):
-            raise ConnWalkError(f"layer must be an int, got {type(layer).__name__}.")
-        if not -n_layers <= layer < n_layers:
-            raise ConnWalkError(f"layer {layer} is out of range for {n_layers} layers.")
-        return self._edges[layer]
+        return self._edges[
+            checked_index(layer, n_layers, "layer", "this model", "attention layers")
+        ]
 
     def _route_table(self, max_length: int) -> RouteTable:
         self._only("routes")

@@ -91,8 +91,13 @@ def _given(str_tokens: StrTokens, batch: int, n_pos: int) -> list[list[str]]:
         raise ConnWalkError("str_tokens must be a list of strings, one per position, not a str.")
     if all(isinstance(label, str) for label in str_tokens):
         rows = [list(str_tokens)] * batch  # type: ignore[arg-type]
-    else:
+    elif all(isinstance(row, list | tuple) for row in str_tokens):
         rows = [list(row) for row in str_tokens]
+    else:
+        raise ConnWalkError(
+            f"str_tokens must be {n_pos} strings (one per position) or {batch} such lists (one "
+            f"per sequence); got {[type(label).__name__ for label in str_tokens][:4]} ..."
+        )
     shape_ok = len(rows) == batch and all(len(row) == n_pos for row in rows)
     if not shape_ok or not all(isinstance(label, str) for row in rows for label in row):
         raise ConnWalkError(

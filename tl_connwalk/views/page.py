@@ -100,9 +100,18 @@ class View:
 
     def save(self, path: str | Path) -> Path:
         """Write `html` to ``path`` (UTF-8) and return the path; open it in any browser."""
+        if not isinstance(path, str | Path):
+            raise ConnWalkError(
+                f"path must be a file name (a str or pathlib.Path) such as view.html, got "
+                f"{type(path).__name__}."
+            )
         path = Path(path)
         if path.is_dir():
             raise ConnWalkError(f"{path} is a directory; pass a file name such as view.html.")
+        if not path.parent.is_dir():
+            raise ConnWalkError(
+                f"the folder {path.parent} does not exist; create it first or write elsewhere."
+            )
         path.write_text(self.html(), encoding="utf-8")
         return path
 

@@ -127,6 +127,10 @@ def _heaviest_edge(walk: Tensor, real: Tensor | None) -> list[int]:
 
 
 def _checked(values: Tensor | None, name: str, shape: tuple[int, ...]) -> Tensor | None:
+    if values is not None and not isinstance(values, Tensor):
+        raise ConnWalkError(
+            f"{name} must be a tensor of shape {shape}, got {type(values).__name__}."
+        )
     if values is None or tuple(values.shape) == shape:
         return values
     raise ConnWalkError(
