@@ -16,9 +16,9 @@ with ``z_i = sum_k A_ik v_k`` the head's output at ``i`` before ``W_O`` (``hook_
 ``m_ij`` the mean of ``g_i . v`` over the row's other keys, renormalised. A query's own key is
 never blocked (knockout keeps every position's own residual stream): ``k_ii = 0``.
 
-`edge_effects` computes every ``k_ij`` at once without forming ``dz``: ``m_ij`` from sums that
-exclude ``j`` (left and right cumulative sums), so that ``1 - A_ij`` is never computed by
-cancellation where ``A_ij`` is close to 1 (a sink). `blocked_change` and
+`edge_effects` computes every ``k_ij`` at once without forming ``dz``; where ``A_ij`` may be
+close to 1 (the heaviest key of a row: a sink) ``m_ij`` comes from sums over the other keys, so
+``1 - A_ij`` is never computed by cancellation there. `blocked_change` and
 `edge_effects_reference` are the plain definitions beside it.
 """
 
@@ -69,15 +69,6 @@ def edge_effects_reference(
     return -(change * g).sum(-1).to(pattern.dtype)
 
 
-def _exclusive_sums(x: Float[Tensor, "... key"]) -> Float[Tensor, "... key"]:
-    """``sum_{k != j} x_k`` for every ``j``, as the sum left of ``j`` plus the sum right of it
-    (never a total minus ``x_j``, which loses what is left of a dominant ``x_j``)."""
-    zero = torch.zeros_like(x[..., :1])
-    left = torch.cat([zero, x[..., :-1].cumsum(-1)], -1)
-    right = torch.cat([x[..., 1:].flip(-1).cumsum(-1).flip(-1), zero], -1)
-    return left + right
-
-
 def edge_effects(
     pattern: Float[Tensor, "batch head query key"],
     grad_z: Float[Tensor, "batch query head d_head"],
@@ -91,15 +82,25 @@ def edge_effects(
     query's own key gives 0 (it is never blocked), and so does a key whose row holds nothing
     else in the dtype (``sum_{k != j} A_ik = 0``: no other key to renormalise onto).
 
-    Cost: one ``[query, d_head] x [d_head, key]`` product per head (``g_i . v_j``) and a few
-    elementwise passes over the pattern; memory a few patterns.
+    Off each row's heaviest key ``A_ij <= 1/2``, so ``k_ij = - A_ij / (1 - A_ij) (g_i . z_i -
+    g_i . v_j)`` loses nothing to ``1 - A_ij``; on the heaviest key (a sink's ``A_ij`` may be
+    within a few ulps of 1) ``m_ij`` is made from the sums over the row's other keys, never
+    from ``1 - A_ij`` by subtraction.
+
+    Cost: one ``[query, d_head] x [d_head, key]`` product per head (``g_i . v_j``) and about a
+    dozen elementwise passes over the pattern; memory a few patterns.
     """
     gv = torch.einsum("bqhd,bkhd->bhqk", grad_z, values.to(grad_z))
     A = pattern.to(gv)
-    others = _exclusive_sums(A)
-    sent = _exclusive_sums(A * gv)
+    sent = A * gv
+    z = sent.sum(-1, keepdim=True)  # g_i . z_i
+    effect = A * (gv - z) / (1 - A).clamp_min(torch.finfo(A.dtype).tiny)
+    heaviest = A.argmax(-1, keepdim=True)
+    others = A.scatter(-1, heaviest, 0).sum(-1, keepdim=True)
+    rest = sent.scatter(-1, heaviest, 0).sum(-1, keepdim=True)
     present = others > 0
-    m = sent / torch.where(present, others, 1)
-    effect = torch.where(present, -A * (m - gv), 0)
+    m = rest / torch.where(present, others, 1)
+    top = torch.where(present, -A.gather(-1, heaviest) * (m - gv.gather(-1, heaviest)), 0)
+    effect.scatter_(-1, heaviest, top)
     own = torch.eye(*A.shape[-2:], dtype=torch.bool, device=A.device)
-    return effect.masked_fill(own, 0)
+    return effect.masked_fill_(own, 0)
