@@ -1,9 +1,11 @@
 """``method="knockout_estimate"``: knockout and edge blocking predicted from one backward pass
 (spec §7).
 
-One forward pass of the real model (nothing frozen) records every head's pattern ``A``, values
-``v`` and output ``z`` (``hook_z``), and one backward pass gives the target's gradient ``g`` at
-every ``hook_z``. `tl_connwalk.attribution.blocking.edge_effects` turns them into the predicted
+One forward pass of the real model (nothing frozen) records every head's pattern ``A`` and
+values ``v``, and one backward pass gives the target's gradient ``g`` at every head output
+``hook_z`` (through a zero probe added there). On a ``HookedTransformer`` or ``HookedEncoder``
+the backward pass recomputes one block at a time (`frozen.recomputing_blocks`), so the graph
+holds one block's activations, and each layer's edges are made as its gradient arrives. `tl_connwalk.attribution.blocking.edge_effects` turns them into the predicted
 effect of blocking each edge, ``k^{l,h}_ij = - g_i . dz_ij`` with the exact, renormalised change
 ``dz`` of the head's output; summed over layers, heads and queries, the predicted knockout of
 each source, ``k_j``.
@@ -116,7 +118,7 @@ def _per_head(x: Tensor, n_heads: int, d_head: int) -> Float[Tensor, "batch pos 
 def _unembedding_at(model: nn.Module, positions: Tensor | None) -> Iterator[Tensor | None]:
     """Inside, the model's unembedding reads only the positions ``positions`` ``[batch]`` hold
     (their distinct values, in order), so the logits of no other position are made; yields each
-    sequence's index into those logits ``[batch]`` (``positions`` itself when ``None``: every
+    sequence's index into those logits ``[batch]`` (``None`` for ``positions=None``: every
     position as usual)."""
     if positions is None:
         yield None
