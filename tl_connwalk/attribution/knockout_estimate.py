@@ -3,12 +3,13 @@
 
 One forward pass of the real model (nothing frozen) records every head's pattern ``A`` and
 values ``v``, and one backward pass gives the target's gradient ``g`` at every head output
-``hook_z`` (through a zero probe added there). On a ``HookedTransformer`` or ``HookedEncoder``
-the backward pass recomputes one block at a time (`frozen.recomputing_blocks`), so the graph
-holds one block's activations, and each layer's edges are made as its gradient arrives. `tl_connwalk.attribution.blocking.edge_effects` turns them into the predicted
-effect of blocking each edge, ``k^{l,h}_ij = - g_i . dz_ij`` with the exact, renormalised change
-``dz`` of the head's output; summed over layers, heads and queries, the predicted knockout of
-each source, ``k_j``.
+``hook_z`` (through a zero probe added there).
+`tl_connwalk.attribution.blocking.edge_effects` turns them into the predicted effect of
+blocking each edge, ``k^{l,h}_ij = - g_i . dz_ij`` with the exact, renormalised change ``dz`` of
+the head's output; summed over layers, heads and queries, the predicted knockout of each source,
+``k_j``. On a ``HookedTransformer`` or ``HookedEncoder`` the backward pass recomputes one block
+at a time (`frozen.recomputing_blocks`), so the graph holds one block's activations, and each
+layer's edges are made as its gradient arrives.
 
 Beyond first order, the sources in ``exact`` (per sequence: a few positions, knocked out for
 real) get knockout's own value; what that adds to their first-order sum is the ``remainder``,
