@@ -116,23 +116,30 @@ def _per_head(x: Tensor, n_heads: int, d_head: int) -> Float[Tensor, "batch pos 
 
 
 @contextlib.contextmanager
-def _unembedding_at(model: nn.Module, positions: Tensor | None) -> Iterator[Tensor | None]:
-    """Inside, the model's unembedding reads only the positions ``positions`` ``[batch]`` hold
-    (their distinct values, in order), so the logits of no other position are made; yields each
-    sequence's index into those logits ``[batch]`` (``None`` for ``positions=None``: every
-    position as usual)."""
+def _unembedding_at(
+    model: nn.Module, positions: Tensor | None, per_row: bool = False
+) -> Iterator[Tensor | None]:
+    """Inside, the model's unembedding reads only the positions ``positions`` ``[batch]`` hold,
+    so the logits of no other position are made; yields each sequence's index into those logits
+    ``[batch]`` (``None`` for ``positions=None``: every position as usual). ``per_row``: row
+    ``b`` of the unembedding's input is row ``b`` of the batch, read at ``positions[b]`` alone
+    (index 0); else every row reads every distinct position, in order."""
     if positions is None:
         yield None
         return
     kept = positions.unique()
+    rows = torch.arange(len(positions), device=positions.device)
     unembed: nn.Module = model.unembed  # type: ignore[assignment]
 
     def only(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        return (args[0][:, kept.to(args[0].device)], *args[1:])
+        x = args[0]
+        if per_row:
+            return (x[rows.to(x.device), positions.to(x.device)][:, None], *args[1:])
+        return (x[:, kept.to(x.device)], *args[1:])
 
     handle = unembed.register_forward_pre_hook(only)
     try:
-        yield torch.searchsorted(kept, positions)
+        yield torch.zeros_like(positions) if per_row else torch.searchsorted(kept, positions)
     finally:
         handle.remove()
 
@@ -162,7 +169,7 @@ def _first_order(
     with (
         torch.enable_grad(),
         constant_weights(model),
-        _unembedding_at(model, pos if reads_logits else None) as at,
+        _unembedding_at(model, pos if reads_logits else None, per_row=True) as at,
         recompute,
     ):
         logits = run_until(model, tokens, hooks, stop_at, **mask_kwargs(model, attention_mask))
