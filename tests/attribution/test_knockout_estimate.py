@@ -192,6 +192,15 @@ def test_every_target_kind(target):
 
 
 @hooked_only
+def test_a_target_read_before_any_attention_has_nothing_to_block():
+    model = build("gpt2_ln", dtype=torch.float64)
+    for target in (("hook_embed", 3), ("blocks.0.hook_resid_pre", 2)):
+        result = tl_connwalk.attribute(model, tokens(), target=target, method="knockout_estimate")
+        assert (result.scores == 0).all() and (result.edges(0) == 0).all()
+        assert_exact(result.bias, result.target_value, result)
+
+
+@hooked_only
 def test_encoder_exact_sources_are_knockout():
     """Knockout's own values on the exact sources, to float32's rounding of ``y - y_blocked``
     (runs batched differently)."""

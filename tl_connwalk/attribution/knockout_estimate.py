@@ -210,7 +210,8 @@ def _first_order(
         for layer in layers:
             run.probe[layer].register_hook(functools.partial(blocked, layer))
         probes = [run.probe[layer] for layer in layers]
-        torch.autograd.backward(y.sum(), inputs=probes)
+        if probes and y.requires_grad:  # else read before any attention: no block changes it
+            torch.autograd.backward(y.sum(), inputs=probes)
     target_ = dataclasses.replace(target_, position=pos)
     shape = (batch, n_heads, n_pos, n_pos)
     layer_edges = [y.new_zeros(shape) if e is None else e for e in edges]  # layers not read
