@@ -151,7 +151,8 @@ def attribute(
     attention_mask: Tensor | None = None,
     exact: int | None = None,
 ) -> Attribution:
-    """Split a target output over the source tokens that made it (spec §6).
+    """Split a target output over the source tokens that made it (spec §6), or predict what
+    knocking each one out would change (``method="knockout_estimate"``, spec §7).
 
     ``method="connection"`` is exact for the frozen network ``F``: attention patterns,
     normalisation scales (``hook_scale``) and MLP activations (as per-neuron gains) fixed at
@@ -183,7 +184,14 @@ def attribute(
         position: the position the target is read at (an int, negative from the end, or
             ``[batch]`` ints). In a padded batch it counts each sequence's real tokens (``-1``:
             its last real token); ``Attribution.position`` is the index in the padded batch.
-        method: ``"connection"``, the exact method; or a baseline (see
+        method: ``"connection"``, the exact method; ``"knockout_estimate"``, knockout
+            predicted (spec §7): ``scores[b, s]`` predicts ``y - y_s`` with key ``s`` blocked for
+            every other query, in every layer, from one forward and one backward pass of the
+            real model (the renormalised attention of each blocked edge read along the
+            target's gradient at ``hook_z``), ``exact`` sources per target knocked out for
+            real; `Attribution.edges` predicts blocking each edge, `Attribution.remainder` is
+            what the exact sources added, `Attribution.verify` measures knockout beside the
+            prediction; or a baseline (see
             `tl_connwalk.attribution.baselines`): ``"grad_x_input"`` (the real gradient times
             the embeddings) or ``"knockout"`` (ground truth by intervention: the target's drop
             when no other query may attend to the source, in any layer; one forward pass per
@@ -208,6 +216,11 @@ def attribute(
             right), as ``run_with_cache`` takes it. Padding sends nothing and counts nowhere:
             its scores are 0, it is left out of `Attribution.routes` and
             `Attribution.to_dataframe`, and each sequence's scores are those it has alone.
+
+        exact: ``method="knockout_estimate"`` only: how many sources per target are knocked
+            out for real, where the first order is poorest: the first position (the attention
+            sink), then those nearest the target (default 2; 0: the first order alone). Each
+            costs one forward pass per distinct sequence, shared by the targets on it.
 
     Returns:
         An `Attribution`: ``scores`` ``[batch, source]``, ``bias`` and ``target_value``
