@@ -313,9 +313,11 @@ def _estimated(
     scores = est.first_order + est.remainder
 
     def verify(k: int) -> tuple[Tensor, Tensor]:
+        # the exact sources' scores are knockout's own values already: only the others run
         chosen = knockout_estimate.largest(scores, est.measurable, k)
-        measured = knockout_estimate.knock_out(model, tokens, mask, est.target, est.clean, chosen)
-        return chosen, measured
+        runs = chosen & ~est.exact
+        measured = knockout_estimate.knock_out(model, tokens, mask, est.target, est.clean, runs)
+        return chosen, torch.where(est.exact, scores, measured)
 
     return Attribution(
         scores=scores,
