@@ -7,12 +7,17 @@ real: two forward passes more for one target).
 Two models: SmolLM2-135M from the zoo (30 layers, d_model 576) and a GPT-2-small-shaped random
 ``HookedTransformer`` (12 layers, d_model 768, 12 heads, vocabulary 50,257); one sequence of
 256 and of 1,024 tokens; one CPU thread; the median of ``--repeats`` runs of each, the two
-timed alternately. Peak memory is the largest resident-set growth during the first call in a
-fresh process (sampled every 2 ms; a process keeps what its allocator once held, so only a
-first call measures), in MiB, in ``n^2 d_model`` float32s and against ``run_with_cache``'s
-own. The baselines that rerun the model, knockout (one forward pass per source, batched)
-and value zeroing (each layer once per source), cost about ``n`` forward passes each: they
-are timed once, at ``--baseline-tokens`` (64), beside the exact method at that length:
+timed alternately, in CPU seconds of the process (``time.process_time``: what the call
+computes, little moved by other work on the machine). Peak memory is the largest resident-set
+growth during the first call in a fresh process (sampled every 2 ms), in MiB, in
+``n^2 d_model`` float32s and against ``run_with_cache``'s own; the processes run with glibc's
+``MALLOC_MMAP_THRESHOLD_`` fixed at 64 KiB, so every tensor of that size or more is handed
+back to the system when freed and the resident set follows the tensors alive (with the
+default, adaptive threshold, glibc keeps freed blocks, and the resident set records when a
+call happened to allocate rather than what it held). The baselines that rerun the model,
+knockout (one forward pass per source, batched) and value zeroing (each layer once per
+source), cost about ``n`` forward passes each: they are timed once, at
+``--baseline-tokens`` (64), beside the exact method at that length:
 
     OMP_NUM_THREADS=1 nice python benchmarks/attribution_cost.py
 """
@@ -20,6 +25,7 @@ are timed once, at ``--baseline-tokens`` (64), beside the exact method at that l
 import argparse
 import functools
 import multiprocessing
+import os
 import statistics
 import threading
 import time
@@ -37,8 +43,15 @@ def _rss() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-def measure(run: Callable[[], object]) -> tuple[float, float]:
-    """Seconds and peak resident-set growth (bytes) of one call of ``run``."""
+def cpu_seconds(run: Callable[[], object]) -> float:
+    """CPU seconds of one call of ``run``."""
+    start = time.process_time()
+    run()
+    return time.process_time() - start
+
+
+def peak_growth(run: Callable[[], object]) -> int:
+    """The peak resident-set growth (bytes) during one call of ``run``."""
     start_rss, peak, done = _rss(), [0], threading.Event()
 
     def sample() -> None:
@@ -48,12 +61,10 @@ def measure(run: Callable[[], object]) -> tuple[float, float]:
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    start = time.perf_counter()
     run()
-    elapsed = time.perf_counter() - start
     done.set()
     sampler.join()
-    return elapsed, max(peak[0], _rss() - start_rss)
+    return max(peak[0], _rss() - start_rss)
 
 
 def gpt2_small() -> torch.nn.Module:
@@ -83,10 +94,9 @@ def first_peak(name: str, n: int, what: str, method: str = "connection") -> tupl
     d_model = int(model.cfg.d_model)
     if what == "run_with_cache":
         with torch.no_grad():
-            return measure(functools.partial(model.run_with_cache, tokens))[1], d_model
-    return measure(functools.partial(tl_connwalk.attribute, model, tokens, method=method))[
-        1
-    ], d_model
+            return peak_growth(functools.partial(model.run_with_cache, tokens)), d_model
+    run = functools.partial(tl_connwalk.attribute, model, tokens, method=method)
+    return peak_growth(run), d_model
 
 
 def timings(
@@ -99,13 +109,13 @@ def timings(
     base, exact = [], []
     for _ in range(repeats):
         with torch.no_grad():
-            base.append(measure(cache)[0])
-        exact.append(measure(exact_run)[0])
+            base.append(cpu_seconds(cache))
+        exact.append(cpu_seconds(exact_run))
     b, e = statistics.median(base), statistics.median(exact)
     knock = "n/a | n/a | n/a | n/a"
     if baselines:
-        k = measure(functools.partial(exact_run, method="knockout"))[0]
-        v = measure(functools.partial(exact_run, method="value_zeroing"))[0]
+        k = cpu_seconds(functools.partial(exact_run, method="knockout"))
+        v = cpu_seconds(functools.partial(exact_run, method="value_zeroing"))
         knock = f"{k:.1f} | {k / b:.0f} | {v:.1f} | {v / b:.0f}"
     return b, e, knock
 
@@ -130,6 +140,7 @@ def main() -> None:
         "--method", default="connection", choices=["connection", "knockout_estimate"]
     )
     args = parser.parse_args()
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)  # read by each new process's glibc
     print(f"method={args.method!r}")
     print("| model | tokens | run_with_cache (s) | attribute (s) | ratio | peak MiB | "
           "peak / n^2 d_model floats | peak / run_with_cache's | knockout (s) | knockout ratio "

@@ -128,8 +128,10 @@ def test_leaves_no_hook_and_changes_nothing(gpt2):
 
 
 def _unchanged(model: Any, untrained: torch.nn.Parameter) -> None:
-    """No block keeps a forward of its own; every weight requires gradients as before."""
+    """No block keeps a forward of its own, no hook point a hook; every weight requires
+    gradients as before."""
     assert not any("forward" in vars(block) for block in model.blocks)
+    assert not any(point.fwd_hooks or point.bwd_hooks for point in model.hook_dict.values())
     assert not untrained.requires_grad
     others = [parameter for parameter in model.parameters() if parameter is not untrained]
     assert all(parameter.requires_grad for parameter in others)
@@ -145,6 +147,8 @@ def test_restores_blocks_and_weights_even_on_error(gpt2, monkeypatch):
         result = tl_connwalk.attribute(gpt2, tokens())
         _unchanged(gpt2, untrained)
         assert_exact(result.scores.sum(-1) + result.bias, result.target_value, result)
+        tl_connwalk.attribute(gpt2, tokens(), method="knockout_estimate")
+        _unchanged(gpt2, untrained)
 
         def fail_with_gradients(activation: torch.Tensor, hook: Any) -> None:
             if torch.is_grad_enabled():  # the frozen network's forward pass, not the clean run

@@ -69,10 +69,10 @@ def run_until(
     tokens: Tensor,
     hooks: list[tuple[str, HookFn]],
     stop_at: str | None,
-    **kwargs: Tensor,
+    **kwargs: Any,
 ) -> Tensor | None:
-    """``model.run_with_hooks`` (``kwargs``: its padding mask); stopped after the hooks of
-    ``stop_at`` ran (then ``None``)."""
+    """``model.run_with_hooks`` (``kwargs``: its padding mask, a key-value cache); stopped
+    after the hooks of ``stop_at`` ran (then ``None``)."""
     stop = [] if stop_at is None else [(stop_at, _stop)]
     try:
         logits: Tensor = model.run_with_hooks(tokens, fwd_hooks=[*hooks, *stop], **kwargs)  # type: ignore[operator]
@@ -402,21 +402,54 @@ def recomputing_blocks(
         return
     blocks: nn.ModuleList = model.blocks  # type: ignore[assignment]
 
-    def contexts() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
-        return constant_weights(model), _with_hooks(model, hooks())
+    def contexts(
+        index: int, block: nn.Module
+    ) -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+        return constant_weights(block), _block_hooks(model, index, block, hooks())
 
     wrapped: list[nn.Module] = []
     try:
-        for block in blocks:
+        for index, block in enumerate(blocks):
             if "forward" not in vars(block):  # a forward set on the block itself stays
                 block.forward = functools.partial(
-                    checkpoint, block.forward, use_reentrant=False, context_fn=contexts
+                    checkpoint,
+                    block.forward,
+                    use_reentrant=False,
+                    context_fn=functools.partial(contexts, index, block),
                 )
                 wrapped.append(block)
         yield
     finally:
         for block in wrapped:
             del block.forward
+
+
+#: the context level of the hooks a block's recomputation adds (`_block_hooks`): none of
+#: TransformerLens's own (0 and up), so that removing them removes no other hook
+_RECOMPUTE_LEVEL = -1
+
+
+@contextmanager
+def _block_hooks(
+    model: nn.Module, index: int, block: nn.Module, hooks: list[tuple[str, HookFn]]
+) -> Iterator[None]:
+    """Those of ``hooks`` on the hook points of ``block`` (``blocks.{index}.``) inside, added
+    and removed there alone (``model.hooks`` would walk every hook point of the model on
+    exit), the block's weights constant (`constant_weights`)."""
+    prefix = f"blocks.{index}."
+    hook_dict: Mapping[str, Any] = model.hook_dict  # type: ignore[assignment]
+    points = []
+    with constant_weights(block):
+        try:
+            for name, hook in hooks:
+                if name.startswith(prefix):
+                    point = hook_dict[name]
+                    point.add_hook(hook, dir="fwd", level=_RECOMPUTE_LEVEL)
+                    points.append(point)
+            yield
+        finally:
+            for point in points:
+                point.remove_hooks("fwd", level=_RECOMPUTE_LEVEL)
 
 
 @contextmanager
@@ -432,17 +465,6 @@ def constant_weights(model: nn.Module) -> Iterator[None]:
     finally:
         for parameter in trained:
             parameter.requires_grad_(True)
-
-
-@contextmanager
-def _with_hooks(model: nn.Module, hooks: list[tuple[str, HookFn]]) -> Iterator[None]:
-    """``model``'s forward passes run with ``hooks`` inside (removed on exit), its weights
-    constant (`constant_weights`)."""
-    hooked: Any = model
-    with warnings.catch_warnings(), constant_weights(model), hooked.hooks(fwd_hooks=hooks):
-        # a Bridge's native-norm path warns that an edited hook_scale changes its rounding
-        warnings.filterwarnings("ignore", message=".*edited hook_scale")
-        yield
 
 
 def mask_kwargs(model: nn.Module, attention_mask: Tensor | None) -> dict[str, Tensor]:

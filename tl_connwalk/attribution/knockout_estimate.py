@@ -27,7 +27,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
-from tl_connwalk.attribution import baselines, blocking, targets
+from tl_connwalk.attribution import baselines, blocking, kv_prefix, targets
 from tl_connwalk.attribution.frozen import (
     HookFn,
     config,
@@ -150,8 +150,10 @@ def _first_order(
     attention_mask: Tensor | None,
     target: targets.TargetSpec,
     position: int | Tensor,
-) -> tuple[targets.Target, Tensor, Tensor]:
-    """The real forward and backward pass: the resolved target, its clean value and the edges."""
+    record: bool = False,
+) -> tuple[targets.Target, Tensor, Tensor, kv_prefix.PrefixCache | None]:
+    """The real forward and backward pass: the resolved target, its clean value, the edges and,
+    with ``record``, every layer's keys and values (`kv_prefix.recorder`)."""
     n_layers, n_heads = int(config(model).n_layers), int(config(model).n_heads)
     stop_at = targets.hook_of(model, target)
     run = _Run()
@@ -166,13 +168,17 @@ def _first_order(
     recompute = (
         recomputing_blocks(model, lambda: hooks) if stop_at is None else contextlib.nullcontext()
     )
+    kwargs: dict[str, Any] = mask_kwargs(model, attention_mask)
+    recorded = kv_prefix.recorder(model, batch, tokens.device) if record else None
+    if recorded is not None:  # the model's keys and values as it would cache them
+        kwargs = {"past_kv_cache": recorded, "attention_mask": torch.ones_like(tokens)}
     with (
         torch.enable_grad(),
         constant_weights(model),
         _unembedding_at(model, pos if reads_logits else None, per_row=True) as at,
         recompute,
     ):
-        logits = run_until(model, tokens, hooks, stop_at, **mask_kwargs(model, attention_mask))
+        logits = run_until(model, tokens, hooks, stop_at, **kwargs)
         if "activation" not in run.read:
             raise ConnWalkError(
                 f"the hook point {read_hook!r} does not fire in {type(model).__name__}'s forward "
@@ -215,7 +221,7 @@ def _first_order(
     target_ = dataclasses.replace(target_, position=pos)
     shape = (batch, n_heads, n_pos, n_pos)
     layer_edges = [y.new_zeros(shape) if e is None else e for e in edges]  # layers not read
-    return target_, y.detach(), torch.stack(layer_edges)
+    return target_, y.detach(), torch.stack(layer_edges), recorded
 
 
 def knock_out(
@@ -225,14 +231,18 @@ def knock_out(
     target: targets.Target,
     clean: Float[Tensor, " batch"],
     sources: Bool[Tensor, "batch source"],
+    recorded: kv_prefix.PrefixCache | None = None,
 ) -> Float[Tensor, "batch source"]:
     """Knockout (`baselines.knockout`) of the ``sources`` of each target, NaN elsewhere.
 
     Runs are made per distinct sequence (tokens and padding), not per target: a sequence's runs
     knock out the union of its targets' sources one at a time, and every target on the sequence
     is read from each. Run ``r`` blocks the ``r``-th wanted source of every distinct sequence at
-    once (`baselines.block_keys` batches the runs).
+    once (`baselines.block_keys` batches the runs). With the clean run's keys and values
+    (``recorded``, a causal ``HookedTransformer``), `_knock_out_after_prefix` instead.
     """
+    if recorded is not None:
+        return _knock_out_after_prefix(model, tokens, target, clean, sources, recorded)
     key = tokens if attention_mask is None else torch.cat([tokens, attention_mask], -1)
     distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
     n_pos = tokens.shape[1]
@@ -280,6 +290,67 @@ def knock_out(
         done = real[inverse, r] & sources[rows, source]
         knocked = clean - values[r, inverse, rows].to(clean)
         out[rows[done], source[done]] = knocked[done]
+    return out
+
+
+def _knock_out_after_prefix(
+    model: nn.Module,
+    tokens: Int[Tensor, "batch pos"],
+    target: targets.Target,
+    clean: Float[Tensor, " batch"],
+    sources: Bool[Tensor, "batch source"],
+    recorded: kv_prefix.PrefixCache,
+) -> Float[Tensor, "batch source"]:
+    """`knock_out` in a causal model, each run recomputing only what the block changes.
+
+    Blocking key ``j`` changes no position up to ``j``: one run per blocked key ``j`` takes the
+    clean keys and values of positions ``0..j`` (``recorded``, `kv_prefix.prefix`) and computes
+    positions ``j + 1`` to the last target position that wants ``j``, for each distinct
+    sequence whose targets want it, with the score of key ``j`` at ``-inf`` for every query in
+    every layer. The nearest source of a target at ``p`` (``j = p - 1``) costs one position.
+    """
+    out = torch.full(sources.shape, torch.nan, dtype=clean.dtype, device=clean.device)
+    distinct, inverse = torch.unique(tokens, dim=0, return_inverse=True)
+    first = torch.full((len(distinct),), len(tokens), dtype=torch.long, device=tokens.device)
+    first.scatter_reduce_(0, inverse, torch.arange(len(tokens), device=tokens.device), "amin")
+    n_layers = int(config(model).n_layers)
+    names = [f"blocks.{layer}.attn.hook_attn_scores" for layer in range(n_layers)]
+    read_hook = targets.read_at(target, model)
+    stop_at = target.hook if target.kind == "hook" else None
+    logits_read = target.kind in ("logit", "logit_diff")
+    wanted_rows, wanted_keys = sources.nonzero(as_tuple=True)
+    read: dict[str, Tensor] = {}
+    hooks: list[tuple[str, HookFn]] = [(read_hook, lambda x, hook: read.update(activation=x))]
+    for j in wanted_keys.unique().tolist():
+        rows = wanted_rows[wanted_keys == j]  # the targets that want key j blocked
+        sequences = inverse[rows].unique()  # sorted: row r of the run is sequences[r]
+        run_row = torch.searchsorted(sequences, inverse[rows])
+        position = target.position[rows].to(tokens.device) - (j + 1)  # in the run's positions
+        end = int(position.max()) + j + 2
+
+        def block(scores: Tensor, hook: Any, j: int = j) -> Tensor:
+            return scores.index_fill(-1, torch.tensor([j], device=scores.device), float("-inf"))
+
+        suffix = tokens[first[sequences], j + 1 : end]
+        with (
+            torch.no_grad(),
+            _unembedding_at(model, position if logits_read else None) as at,
+        ):
+            logits = run_until(
+                model,
+                suffix,
+                [*hooks, *((name, block) for name in names)],
+                stop_at,
+                past_kv_cache=kv_prefix.prefix(recorded, first[sequences], j + 1),
+                attention_mask=torch.ones_like(suffix),
+            )
+        wanted = dataclasses.replace(target.take(rows), position=position if at is None else at)
+        value = targets.clean_value(
+            wanted,
+            None if logits is None else logits[run_row],
+            read["activation"][run_row],
+        )
+        out[rows, j] = clean[rows] - value.to(clean)
     return out
 
 
@@ -337,7 +408,12 @@ def estimate(
     """The predicted knockout of every source and blocking of every edge (spec §7), with
     ``exact`` sources per target knocked out for real (`exact_sources`; 0: first order alone).
     """
-    target_, clean, edges = _first_order(model, tokens, attention_mask, target, position)
+    # in a causal HookedTransformer without padding, a knockout run recomputes only the
+    # positions after the blocked key, from the clean run's keys and values
+    record = exact > 0 and kv_prefix.supports(model) and attention_mask is None
+    target_, clean, edges, recorded = _first_order(
+        model, tokens, attention_mask, target, position, record
+    )
     first_order = edges.sum((0, 2, 3))
     if attention_mask is not None:
         first_order = first_order * attention_mask.to(first_order)
@@ -345,7 +421,7 @@ def estimate(
     chosen = exact_sources(measurable, target_.position, exact)
     remainder = torch.zeros_like(first_order)
     if chosen.any():
-        knocked = knock_out(model, tokens, attention_mask, target_, clean, chosen)
+        knocked = knock_out(model, tokens, attention_mask, target_, clean, chosen, recorded)
         remainder = torch.where(chosen, knocked - first_order, 0)
     return Estimate(target_, clean, edges, first_order, remainder, chosen, measurable)
 

@@ -76,6 +76,21 @@ class Target:
             offset=None if self.offset is None else self.offset.repeat(k),
         )
 
+    def take(self, rows: Int[Tensor, " rows"]) -> "Target":
+        """The targets of the sequences ``rows`` (``[rows]``, in that order)."""
+
+        def pick(x: Tensor | None) -> Tensor | None:
+            return None if x is None else x[rows.to(x.device)]
+
+        return dataclasses.replace(
+            self,
+            position=self.position[rows.to(self.position.device)],
+            token=pick(self.token),
+            other=pick(self.other),
+            direction=pick(self.direction),
+            offset=pick(self.offset),
+        )
+
     def describe(self) -> list[str]:
         """One short label per sequence, e.g. ``logit[17] @ 8``."""
         labels = []
