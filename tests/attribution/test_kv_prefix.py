@@ -11,7 +11,7 @@ import transformer_lens
 import tl_connwalk
 from tests.architectures import (
     ARCHITECTURES,
-    HAS_HOOKED,
+    bridge_only,
     build,
     cached_bridge,
     hooked_encoder,
@@ -111,8 +111,12 @@ def test_many_targets_on_repeated_sequences_are_knocked_out_exactly(name):
     assert_exact(result.scores, knocked, result)
 
 
-def test_what_runs_after_a_prefix():
+@hooked_only
+def test_a_causal_hooked_transformer_runs_after_a_prefix_and_an_encoder_does_not():
+    assert kv_prefix.supports(build("gpt2_ln"))
     assert not kv_prefix.supports(hooked_encoder()), "an encoder's positions all change"
-    assert not kv_prefix.supports(cached_bridge("llama", False)), "a Bridge runs every position"
-    if HAS_HOOKED:
-        assert kv_prefix.supports(build("gpt2_ln"))
+
+
+@bridge_only
+def test_a_bridge_runs_every_position():
+    assert not kv_prefix.supports(cached_bridge("llama", False))
