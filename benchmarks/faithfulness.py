@@ -391,6 +391,9 @@ def edge_check(model: nn.Module, name: str, domain: str, w: int, t: Target) -> l
                 )
             actual.append(result.target_value[0] - logits[:, t.position, t.token])
         measured = torch.cat(actual).double()
+        guess = predicted[chosen].double()
+        top = slice(0, len(largest))
+        others = slice(len(largest), None)
         rows.append(
             {
                 "model": name,
@@ -398,7 +401,9 @@ def edge_check(model: nn.Module, name: str, domain: str, w: int, t: Target) -> l
                 "window": w,
                 "layer": layer,
                 "edges": len(chosen),
-                "spearman": spearman(predicted[chosen].double(), measured),
+                "spearman": spearman(guess, measured),
+                "spearman_largest": spearman(guess[top], measured[top]),
+                "spearman_random": spearman(guess[others], measured[others]),
             }
         )
     return rows
@@ -697,15 +702,19 @@ def edge_table(rows: list[dict[str, Any]]) -> str:
         f"{EDGE_LARGEST} largest predicted and {EDGE_RANDOM} random edges per layer, each "
         "window's last target)",
         "",
-        "| model | layer | Spearman with the edge blocked | windows |",
-        "| --- | --- | --- | --- |",
+        "| model | layer | Spearman with the edge blocked | among the largest | among the random "
+        "| windows |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for model in dict.fromkeys(row["model"] for row in rows):
         for layer in dict.fromkeys(row["layer"] for row in rows if row["model"] == model):
             these = [r for r in rows if r["model"] == model and r["layer"] == layer]
             windows = [(r["domain"], r["window"]) for r in these]
-            stats = bootstrap([r["spearman"] for r in these], windows)
-            lines.append(f"| {model} | {layer} | {fmt(stats)} | {len(these)} |")
+            cells = [
+                fmt(bootstrap([float(r[key]) for r in these], windows))
+                for key in ("spearman", "spearman_largest", "spearman_random")
+            ]
+            lines.append(f"| {model} | {layer} | {' | '.join(cells)} | {len(these)} |")
     return "\n".join(lines) + "\n"
 
 
