@@ -92,12 +92,15 @@ def edge_effects(
     """
     gv = torch.einsum("bqhd,bkhd->bhqk", grad_z, values.to(grad_z))
     A = pattern.to(gv)
+    # four [batch, head, query, key] buffers in all, worked in place
     sent = A * gv
     z = sent.sum(-1, keepdim=True)  # g_i . z_i
-    effect = A * (gv - z) / (1 - A).clamp_min(torch.finfo(A.dtype).tiny)
+    effect = torch.sub(gv, z).mul_(A)
+    spare = torch.rsub(A, 1).clamp_min_(torch.finfo(A.dtype).tiny)
+    effect.div_(spare)
     heaviest = A.argmax(-1, keepdim=True)
-    others = A.scatter(-1, heaviest, 0).sum(-1, keepdim=True)
-    rest = sent.scatter(-1, heaviest, 0).sum(-1, keepdim=True)
+    others = spare.copy_(A).scatter_(-1, heaviest, 0).sum(-1, keepdim=True)
+    rest = sent.scatter_(-1, heaviest, 0).sum(-1, keepdim=True)
     present = others > 0
     m = rest / torch.where(present, others, 1)
     top = torch.where(present, -A.gather(-1, heaviest) * (m - gv.gather(-1, heaviest)), 0)

@@ -202,8 +202,9 @@ def _first_order(
                 "layer; knockout_estimate reads all three (spec §7)."
             )
         # each layer's edges are made as its gradient arrives (its block recomputed first, on a
-        # HookedTransformer or HookedEncoder), and its pattern and values let go
-        edges: list[Tensor | None] = [None] * n_layers
+        # HookedTransformer or HookedEncoder) and written into their place (0 in the layers
+        # after a target read inside the network), and its pattern and values let go
+        edges = y.new_zeros(n_layers, batch, n_heads, n_pos, n_pos)
         d_head = int(config(model).d_head)
 
         def blocked(layer: int, grad: Tensor) -> None:
@@ -219,9 +220,7 @@ def _first_order(
         if probes and y.requires_grad:  # else read before any attention: no block changes it
             torch.autograd.backward(y.sum(), inputs=probes)
     target_ = dataclasses.replace(target_, position=pos)
-    shape = (batch, n_heads, n_pos, n_pos)
-    layer_edges = [y.new_zeros(shape) if e is None else e for e in edges]  # layers not read
-    return target_, y.detach(), torch.stack(layer_edges), recorded
+    return target_, y.detach(), edges, recorded
 
 
 def knock_out(
