@@ -72,10 +72,16 @@ def run_until(
     **kwargs: Any,
 ) -> Tensor | None:
     """``model.run_with_hooks`` (``kwargs``: its padding mask, a key-value cache); stopped
-    after the hooks of ``stop_at`` ran (then ``None``)."""
+    after the hooks of ``stop_at`` ran (then ``None``). On a ``HookedTransformer`` or
+    ``HookedEncoder`` the hooks are added and removed on their own points (`_hooks_on`)."""
     stop = [] if stop_at is None else [(stop_at, _stop)]
+    hooked: Any = model
     try:
-        logits: Tensor = model.run_with_hooks(tokens, fwd_hooks=[*hooks, *stop], **kwargs)  # type: ignore[operator]
+        if is_bridge(model):
+            logits: Tensor = hooked.run_with_hooks(tokens, fwd_hooks=[*hooks, *stop], **kwargs)
+        else:
+            with _hooks_on(model, [*hooks, *stop], _RUN_LEVEL):
+                logits = model(tokens, **kwargs)
     except _Stop:
         return None
     except ValueError as error:  # a Bridge refuses a hook point its config leaves off
@@ -424,32 +430,41 @@ def recomputing_blocks(
             del block.forward
 
 
-#: the context level of the hooks a block's recomputation adds (`_block_hooks`): none of
-#: TransformerLens's own (0 and up), so that removing them removes no other hook
-_RECOMPUTE_LEVEL = -1
+#: the context levels of the hooks `_hooks_on` adds, for a pass (`run_until`) and for a
+#: block's recomputation: none of TransformerLens's own (0 and up), so that removing them
+#: removes no other hook
+_RUN_LEVEL, _RECOMPUTE_LEVEL = -1, -2
+
+
+@contextmanager
+def _hooks_on(
+    model: nn.Module, hooks: list[tuple[str, HookFn]], level: int, within: str = ""
+) -> Iterator[None]:
+    """Those of ``hooks`` whose hook point's name starts with ``within`` inside, added on
+    their points and removed there alone on exit, even on error (``model.hooks`` and
+    ``run_with_hooks`` walk every hook point of the model on exit)."""
+    hook_dict: Mapping[str, Any] = model.hook_dict  # type: ignore[assignment]
+    points = []
+    try:
+        for name, hook in hooks:
+            if name.startswith(within):
+                point = hook_dict[name]
+                point.add_hook(hook, dir="fwd", level=level)
+                points.append(point)
+        yield
+    finally:
+        for point in points:
+            point.remove_hooks("fwd", level=level)
 
 
 @contextmanager
 def _block_hooks(
     model: nn.Module, index: int, block: nn.Module, hooks: list[tuple[str, HookFn]]
 ) -> Iterator[None]:
-    """Those of ``hooks`` on the hook points of ``block`` (``blocks.{index}.``) inside, added
-    and removed there alone (``model.hooks`` would walk every hook point of the model on
-    exit), the block's weights constant (`constant_weights`)."""
-    prefix = f"blocks.{index}."
-    hook_dict: Mapping[str, Any] = model.hook_dict  # type: ignore[assignment]
-    points = []
-    with constant_weights(block):
-        try:
-            for name, hook in hooks:
-                if name.startswith(prefix):
-                    point = hook_dict[name]
-                    point.add_hook(hook, dir="fwd", level=_RECOMPUTE_LEVEL)
-                    points.append(point)
-            yield
-        finally:
-            for point in points:
-                point.remove_hooks("fwd", level=_RECOMPUTE_LEVEL)
+    """Those of ``hooks`` on the hook points of ``block`` (``blocks.{index}.``) inside
+    (`_hooks_on`), the block's weights constant (`constant_weights`)."""
+    with constant_weights(block), _hooks_on(model, hooks, _RECOMPUTE_LEVEL, f"blocks.{index}."):
+        yield
 
 
 @contextmanager

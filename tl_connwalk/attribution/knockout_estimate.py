@@ -26,7 +26,9 @@ from typing import Any
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
+from torch.nn import functional as F
 
+from tl_connwalk.adapters.versions import is_bridge
 from tl_connwalk.attribution import baselines, blocking, kv_prefix, targets
 from tl_connwalk.attribution.frozen import (
     HookFn,
@@ -138,10 +140,25 @@ def _unembedding_at(
         return (x[:, kept.to(x.device)], *args[1:])
 
     handle = unembed.register_forward_pre_hook(only)
+    # TransformerLens 3's Unembed copies W_U on every call (``W_U.T.contiguous()``): the same
+    # product here reads it in place
+    override = (
+        not is_bridge(model) and hasattr(unembed, "hook_out") and "forward" not in vars(unembed)
+    )
+    if override:
+        unembed.forward = functools.partial(_unembed_in_place, unembed)
     try:
         yield torch.zeros_like(positions) if per_row else torch.searchsorted(kept, positions)
     finally:
         handle.remove()
+        if override:
+            del unembed.forward
+
+
+def _unembed_in_place(unembed: Any, residual: Tensor) -> Tensor:
+    """TransformerLens's ``Unembed.forward``, ``x W_U + b_U`` through its ``hook_in`` and
+    ``hook_out``, without a copy of ``W_U``."""
+    return unembed.hook_out(F.linear(unembed.hook_in(residual), unembed.W_U.T, unembed.b_U))
 
 
 def _first_order(
