@@ -109,6 +109,12 @@ def test_many_targets_on_repeated_sequences_are_knocked_out_exactly(name):
     knocked = tl_connwalk.attribute(model, toks, method="knockout", position=position).scores
     assert result.exact.sum(-1).tolist() == position.tolist()
     assert_exact(result.scores, knocked, result)
+    # the recording run's edges are those of a run without it
+    first_order = tl_connwalk.attribute(
+        model, toks, method="knockout_estimate", position=position, exact=0
+    )
+    for layer in range(model.cfg.n_layers):
+        assert_exact(result.edges(layer), first_order.edges(layer), result)
 
 
 @hooked_only

@@ -332,8 +332,8 @@ def _knock_out_after_prefix(
     n_layers = int(config(model).n_layers)
     names = [f"blocks.{layer}.attn.hook_attn_scores" for layer in range(n_layers)]
     read_hook = targets.read_at(target, model)
-    stop_at = target.hook if target.kind == "hook" else None
     logits_read = target.kind in ("logit", "logit_diff")
+    stop_at = None if logits_read else read_hook  # a direction or hook target: no logits
     wanted_rows, wanted_keys = sources.nonzero(as_tuple=True)
     read: dict[str, Tensor] = {}
     hooks: list[tuple[str, HookFn]] = [(read_hook, lambda x, hook: read.update(activation=x))]
@@ -360,11 +360,12 @@ def _knock_out_after_prefix(
                 past_kv_cache=kv_prefix.prefix(recorded, first[sequences], j + 1),
                 attention_mask=torch.ones_like(suffix),
             )
-        wanted = dataclasses.replace(target.take(rows), position=position if at is None else at)
+        # each target's own position of its sequence's run, as a sequence of one position
+        wanted = dataclasses.replace(target.take(rows), position=torch.zeros_like(position))
         value = targets.clean_value(
             wanted,
-            None if logits is None else logits[run_row],
-            read["activation"][run_row],
+            None if logits is None or at is None else logits[run_row, at][:, None],
+            read["activation"][run_row, position][:, None],
         )
         out[rows, j] = clean[rows] - value.to(clean)
     return out
