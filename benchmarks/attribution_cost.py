@@ -2,22 +2,22 @@
 
 ``--method``: the exact method (``connection``, the default) or ``knockout_estimate`` (one
 forward and one backward pass of the real model, and its ``exact`` sources knocked out for
-real: two forward passes more for one target).
+real: for one target on a causal ``HookedTransformer``, about one forward pass more).
 
 Two models: SmolLM2-135M from the zoo (30 layers, d_model 576) and a GPT-2-small-shaped random
-``HookedTransformer`` (12 layers, d_model 768, 12 heads, vocabulary 50,257); one sequence of
-256 and of 1,024 tokens; one CPU thread; after one untimed call of each, the median of
-``--repeats`` runs of each, the two timed alternately, in CPU seconds of the process (``time.process_time``: what the call
-computes, little moved by other work on the machine). Peak memory is the largest resident-set
-growth during the first call in a fresh process (sampled every 2 ms), in MiB, in
+``HookedTransformer`` (12 layers, d_model 768, 12 heads, vocabulary 50,257); one sequence of 256
+and of 1,024 tokens; one CPU thread; after one untimed call of each, the median of ``--repeats``
+runs of each, the two timed alternately, in CPU seconds of the process (``time.process_time``:
+what the call computes, little moved by other work on the machine). Peak memory is the largest
+resident-set growth during the first call in a fresh process (sampled every 2 ms), in MiB, in
 ``n^2 d_model`` float32s and against ``run_with_cache``'s own; the processes run with glibc's
-``MALLOC_MMAP_THRESHOLD_`` fixed at 64 KiB, so every tensor of that size or more is handed
-back to the system when freed and the resident set follows the tensors alive (with the
-default, adaptive threshold, glibc keeps freed blocks, and the resident set records when a
-call happened to allocate rather than what it held). The baselines that rerun the model,
-knockout (one forward pass per source, batched) and value zeroing (each layer once per
-source), cost about ``n`` forward passes each: they are timed once, at
-``--baseline-tokens`` (64), beside the exact method at that length:
+``MALLOC_MMAP_THRESHOLD_`` fixed at 64 KiB, so every tensor of that size or more is handed back
+to the system when freed and the resident set follows the tensors alive (with the default,
+adaptive threshold, glibc keeps freed blocks, and the resident set records when a call happened
+to allocate rather than what it held). The baselines that rerun the model, knockout (one forward
+pass per source, batched) and value zeroing (each layer once per source), cost about ``n``
+forward passes each: they are timed once, at ``--baseline-tokens`` (64), beside the exact method
+at that length:
 
     OMP_NUM_THREADS=1 nice python benchmarks/attribution_cost.py
 """
