@@ -220,7 +220,9 @@ def attribute(
         exact: ``method="knockout_estimate"`` only: how many sources per target are knocked
             out for real, where the first order is poorest: the first position (the attention
             sink), then those nearest the target (default 2; 0: the first order alone). Each
-            costs one forward pass per distinct sequence, shared by the targets on it.
+            costs at most one forward pass per distinct sequence, shared by the targets on it;
+            on a causal ``HookedTransformer`` without padding, only the positions after the
+            source are recomputed (the one just before a target: one position).
 
     Returns:
         An `Attribution`: ``scores`` ``[batch, source]``, ``bias`` and ``target_value``

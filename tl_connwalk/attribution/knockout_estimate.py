@@ -14,7 +14,9 @@ layer's edges are made as its gradient arrives.
 Beyond first order, the sources in ``exact`` (per sequence: a few positions, knocked out for
 real) get knockout's own value; what that adds to their first-order sum is the ``remainder``,
 kept beside the edges so that an edge keeps meaning "what blocking this edge would do".
-Knockout runs are made once per distinct sequence of the batch and read for every target on it.
+Knockout runs are made once per distinct sequence of the batch and read for every target on it;
+in a causal ``HookedTransformer`` without padding each recomputes only the positions after the
+blocked key, from the clean run's keys and values (`kv_prefix`).
 """
 
 import contextlib
