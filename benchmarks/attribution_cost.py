@@ -10,14 +10,14 @@ and of 1,024 tokens; one CPU thread; after one untimed call of each, the median 
 runs of each, the two timed alternately, in CPU seconds of the process (``time.process_time``:
 what the call computes, little moved by other work on the machine). Peak memory is the largest
 resident-set growth during the first call in a fresh process (sampled every 2 ms), in MiB, in
-``n^2 d_model`` float32s and against ``run_with_cache``'s own; the processes run with glibc's
-``MALLOC_MMAP_THRESHOLD_`` fixed at 64 KiB, so every tensor of that size or more is handed back
-to the system when freed and the resident set follows the tensors alive (with the default,
-adaptive threshold, glibc keeps freed blocks, and the resident set records when a call happened
-to allocate rather than what it held). The baselines that rerun the model, knockout (one forward
-pass per source, batched) and value zeroing (each layer once per source), cost about ``n``
-forward passes each: they are timed once, at ``--baseline-tokens`` (64), beside the exact method
-at that length:
+``n^2 d_model`` float32s and against ``run_with_cache``'s own; those processes (not the timed
+ones) run with glibc's ``MALLOC_MMAP_THRESHOLD_`` fixed at 64 KiB, so every tensor of that size
+or more is handed back to the system when freed and the resident set follows the tensors alive
+(with the default, adaptive threshold, glibc keeps freed blocks, and the resident set records
+when a call happened to allocate rather than what it held). The baselines that rerun the model,
+knockout (one forward pass per source, batched) and value zeroing (each layer once per source),
+cost about ``n`` forward passes each: they are timed once, at ``--baseline-tokens`` (64), beside
+the exact method at that length:
 
     OMP_NUM_THREADS=1 nice python benchmarks/attribution_cost.py
 """
@@ -123,10 +123,22 @@ def timings(
     return b, e, knock
 
 
-def fresh(function: Callable[..., Any], *args: Any) -> Any:
-    """``function(*args)`` in a new process."""
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(function, args)
+#: glibc's setting for the peak-memory processes (read by each new process's allocator)
+PEAK_ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
+
+
+def fresh(
+    function: Callable[..., Any], *args: Any, environment: dict[str, str] | None = None
+) -> Any:
+    """``function(*args)`` in a new process, with ``environment`` added to its own."""
+    saved = dict(os.environ)
+    os.environ.update(environment or {})
+    try:
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            return pool.apply(function, args)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def main() -> None:
@@ -143,7 +155,6 @@ def main() -> None:
         "--method", default="connection", choices=["connection", "knockout_estimate"]
     )
     args = parser.parse_args()
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)  # read by each new process's glibc
     print(f"method={args.method!r}")
     print("| model | tokens | run_with_cache (s) | attribute (s) | ratio | peak MiB | "
           "peak / n^2 d_model floats | peak / run_with_cache's | knockout (s) | knockout ratio "
@@ -154,8 +165,10 @@ def main() -> None:
         for n in dict.fromkeys(lengths):
             baselines = args.baselines and n == args.baseline_tokens
             b, e, knock = fresh(timings, name, n, args.repeats, baselines, args.method)
-            p, d_model = fresh(first_peak, name, n, "attribute", args.method)
-            p_cache, _ = fresh(first_peak, name, n, "run_with_cache")
+            p, d_model = fresh(
+                first_peak, name, n, "attribute", args.method, environment=PEAK_ENVIRONMENT
+            )
+            p_cache, _ = fresh(first_peak, name, n, "run_with_cache", environment=PEAK_ENVIRONMENT)
             print(f"| {name} | {n} | {b:.2f} | {e:.2f} | {e / b:.2f} | {p / 2**20:.0f} | "
                   f"{p / (4 * n * n * d_model):.2f} | {p / p_cache:.2f} | {knock} |",
                   flush=True)  # fmt: skip
