@@ -23,6 +23,7 @@ the exact method at that length:
 """
 
 import argparse
+import collections
 import functools
 import multiprocessing
 import os
@@ -123,6 +124,49 @@ def timings(
     return b, e, knock
 
 
+def parts(name: str, n: int) -> dict[str, float]:
+    """Where ``knockout_estimate``'s time goes, in ``run_with_cache``s of the same tokens (one
+    call after an untimed one): the forward pass with gradients, the backward pass (block
+    recomputation and edge effects included), the edge effects alone and each knockout run
+    (by the number of positions it computes); a plain forward pass for scale."""
+    from tl_connwalk.attribution import blocking
+    from tl_connwalk.attribution import knockout_estimate as estimate
+
+    model, tokens = setup(name, n)
+    seconds: dict[str, float] = collections.defaultdict(float)
+
+    def timed(key: Callable[..., str], function: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = time.process_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                seconds[key(*args)] += time.process_time() - start
+
+        return run
+
+    def which(model: Any, tokens: torch.Tensor, *_: Any) -> str:
+        if torch.is_grad_enabled():
+            return "forward pass with gradients"
+        return f"knockout run of {tokens.shape[1]} position(s)"
+
+    estimate.run_until = timed(which, estimate.run_until)  # type: ignore[assignment]
+    torch.autograd.backward = timed(lambda *_: "backward pass", torch.autograd.backward)
+    blocking.edge_effects = timed(lambda *_: "of which edge effects", blocking.edge_effects)  # type: ignore[assignment]
+    run = functools.partial(tl_connwalk.attribute, model, tokens, method="knockout_estimate")
+    run()
+    with torch.no_grad():
+        base = cpu_seconds(functools.partial(model.run_with_cache, tokens))
+        plain = cpu_seconds(functools.partial(model, tokens))
+    seconds.clear()
+    total = cpu_seconds(run)
+    return {
+        "plain forward pass (every logit)": plain / base,
+        **{k: v / base for k, v in seconds.items()},
+        "in all": total / base,
+    }
+
+
 #: glibc's setting for the peak-memory processes (read by each new process's allocator)
 PEAK_ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
 
@@ -154,7 +198,19 @@ def main() -> None:
     parser.add_argument(
         "--method", default="connection", choices=["connection", "knockout_estimate"]
     )
+    parser.add_argument(
+        "--parts", action="store_true",
+        help="instead, where knockout_estimate's time goes, in run_with_caches",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.parts:
+        for name in args.models:
+            for n in args.tokens:
+                shares = fresh(parts, name, n)
+                print(
+                    f"{name}, {n} tokens: " + "; ".join(f"{k} {v:.2f}" for k, v in shares.items())
+                )
+        return
     print(f"method={args.method!r}")
     print("| model | tokens | run_with_cache (s) | attribute (s) | ratio | peak MiB | "
           "peak / n^2 d_model floats | peak / run_with_cache's | knockout (s) | knockout ratio "
