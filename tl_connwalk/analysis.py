@@ -16,6 +16,7 @@ from transformer_lens import ActivationCache
 
 from tl_connwalk.cache import connection_walks, layers_of, n_layers_of, walk_matrix
 from tl_connwalk.core import markov, padding
+from tl_connwalk.core._fast.sampled import BASELINE_EDGES
 from tl_connwalk.core.checks import check_draws, check_flag
 from tl_connwalk.core.isometry import query_chunks
 from tl_connwalk.core.walk import check_heads
@@ -126,6 +127,7 @@ def geometry_table(
     *,
     exclude_sink: bool = False,
     baseline_draws: int = 8,
+    baseline_edges: int | None = BASELINE_EDGES,
     seed: int = 0,
     progress: bool = True,
     residuals: Mapping[int, LaplacianResidual] | None = None,
@@ -239,7 +241,7 @@ def geometry_table(
         measure = [layer for layer in group_layers if found[layer] is None]
         measured = ConnectionWalk.laplacian_residuals(
             [walk_of(layer) for layer in measure], exclude_sink=exclude_sink, edges=edges,
-            baseline_draws=baseline_draws, seed=seed,
+            baseline_draws=baseline_draws, baseline_edges=baseline_edges, seed=seed,
         )  # fmt: skip
         results = {layer: res for layer, res in found.items() if res is not None}
         results |= dict(zip(measure, measured, strict=True))

@@ -15,7 +15,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from tl_connwalk.core import field_defect, isometry, markov, padding
+from tl_connwalk.core import field_defect, isometry, markov, padding, weighted
+from tl_connwalk.core._fast import sampled
 from tl_connwalk.walk._layer_terms import MeasuredWalk, Memo
 
 
@@ -33,8 +34,10 @@ class _Parts:
         mass_share: float | None,
         n_draws: int,
         seed: int,
+        baseline_edges: int | None = None,
     ) -> None:
         self.walk, self.memo = walk, memo
+        self.n_draws, self.seed = n_draws, seed
         W = self.walk.walk
         self.W, self.g = W, self.walk.gates
         self.scoped, self.drop_sink = padding.scope(
@@ -54,9 +57,15 @@ class _Parts:
             # share 1 keeps every edge: the all-edge path itself, not a gathered copy of it
             self.kept = None if mass_share >= 1.0 else selected
         grams = self.terms.heads
+        self.rand = self.terms.layer_draws(n_draws, seed)
+        #: the draws' defects on a sample of edges (`sampled`), or with the layer's on all
+        self.sample = baseline_edges if sampled.samples(*W.shape[-2:], baseline_edges) else None
+        if self.sample is not None:
+            self.K2, self.pair_gram = grams.K2[None], grams.pair_gram[None]
+            self.message_grams = self.terms.message_grams[None]
+            return
         # the layer and its random draws (shared by every layer of this shape) as one family
         # each, by their head Grams and by their message Grams
-        self.rand = self.terms.layer_draws(n_draws, seed)
         self.K2 = torch.cat([grams.K2[None], self.rand.K2])
         self.pair_gram = torch.cat([grams.pair_gram[None], self.rand.pair_gram])
         self.message_grams = torch.cat(
@@ -70,6 +79,7 @@ class _Parts:
             self.g.shape, self.g.dtype, X.shape, X.dtype, self.message_grams.dtype,
             self.K2.shape, self.K2.dtype, self.g.device, self.terms.rank, self.drop_sink,
             self.scoped is None, self.kept is None, self.walk.attention_mask is None,
+            self.sample,
         )  # fmt: skip
 
 
@@ -99,6 +109,8 @@ class _Means(NamedTuple):
     head_fields: Float[Tensor, "batch head"]
     pairing: markov.PairingResidual
     pairs_anywhere: bool  # whether any sequence has a pairing (an edge both ways)
+    # the draws' transport and field defects on their samples of edges (`sampled`), if any
+    estimates: tuple[sampled.Estimates, sampled.Estimates] | None = None
 
 
 def _stacked(tensors: Sequence[Tensor]) -> Tensor:
@@ -155,6 +167,7 @@ def _stacked_means(
     )  # fmt: skip
     anywhere = torch.stack([p.applicable.any() for p in pairing]).tolist()
     batch = first.W.shape[0]
+    estimates = _sampled_baselines(parts) if first.sample is not None else [None] * count
     return [
         _Means(
             means.defect[k],
@@ -169,6 +182,49 @@ def _stacked_means(
             heads[k],
             pairing[k],
             anywhere[k],
+            estimates[k],
         )
         for k in range(count)
     ]
+
+
+def _sampled_baselines(
+    parts: list[_Parts],
+) -> list[tuple[sampled.Estimates, sampled.Estimates]]:
+    """The draws' transport and field defects of stackable walks on samples of edges
+    (`tl_connwalk.core._fast.sampled`): each walk's edges drawn from its own summary weights
+    by a generator of its own (a walk's estimates are the same alone or in a group), the
+    draws' message Grams at the sampled keys of every walk at once."""
+    first = parts[0]
+    n_draws, m = first.n_draws, first.sample
+    assert m is not None
+    samples = []
+    for part in parts:
+        generator = torch.Generator(device=part.W.device).manual_seed(
+            sampled.edge_seed(part.seed)
+        )
+        transport = part.scoped if part.kept is None else part.kept
+        weights_t, rows_t = weighted.edge_weights(part.W, part.drop_sink, transport)
+        kept = field_defect._sent(part.terms.field, part.W.shape)
+        if part.scoped is not None:
+            kept = part.scoped if kept is None else kept & part.scoped
+        weights_f, _ = weighted.edge_weights(part.W, part.drop_sink, kept)
+        edges_t = sampled.sample_edges(weights_t, n_draws, m, generator)
+        edges_f = sampled.sample_edges(weights_f, n_draws, m, generator)
+        samples.append((weights_t, rows_t, edges_t, weights_f, edges_f))
+    grams = sampled.sampled_message_grams(
+        [part.rand for part in parts],
+        _stacked([part.terms.field for part in parts]),
+        _stacked([edges_f[1] for *_, edges_f in samples]),
+    )
+    out = []
+    for k, (part, (weights_t, rows_t, edges_t, weights_f, edges_f)) in enumerate(
+        zip(parts, samples, strict=True)
+    ):
+        transport = sampled.transport_estimates(
+            weights_t, rows_t, part.g, part.rand.K2, part.rand.pair_gram, part.terms.rank,
+            *edges_t,
+        )  # fmt: skip
+        field = sampled.field_estimates(weights_f, part.g, grams[k], *edges_f)
+        out.append((transport, field))
+    return out
