@@ -50,14 +50,16 @@ def _cpu_seconds(fn: Callable[[], object]) -> tuple[float, object]:
 def measure(name: str, n_pos: int, draws: int, profile: str | None) -> dict[str, object]:
     """One model at ``n_pos`` tokens, in this process (see the module docstring)."""
     sys.path.insert(0, str(Path(__file__).parent))
-    import op_count  # noqa: PLC0415 (beside this file)
+    import op_count
 
-    import tl_connwalk  # noqa: PLC0415
+    import tl_connwalk
 
     torch.set_num_threads(1)
     model = op_count.build(name, n_pos)
     vocab = min(op_count.VOCAB, model.cfg.d_vocab)
-    tokens = torch.randint(0, vocab, (REPEATS + 1, 1, n_pos), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(
+        0, vocab, (REPEATS + 1, 1, n_pos), generator=torch.Generator().manual_seed(1)
+    )
 
     def forward(i: int) -> object:
         return model.run_with_cache(tokens[i])[1]
@@ -75,11 +77,11 @@ def measure(name: str, n_pos: int, draws: int, profile: str | None) -> dict[str,
             return _profiled(lambda: table(cache))
         first, _ = _cpu_seconds(lambda: table(cache))
         for i in range(1, REPEATS + 1):
-            seconds, cache = _cpu_seconds(lambda i=i: forward(i))
+            seconds, later = _cpu_seconds(lambda i=i: forward(i))
             forwards.append(seconds)
             if profile == "warm" and i == REPEATS:
-                return _profiled(lambda: table(cache))
-            warm.append(_cpu_seconds(lambda: table(cache))[0])
+                return _profiled(lambda later=later: table(later))
+            warm.append(_cpu_seconds(lambda later=later: table(later))[0])
     fwd = statistics.median(forwards)
     return {
         "model": name,

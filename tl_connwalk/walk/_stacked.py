@@ -200,9 +200,7 @@ def _sampled_baselines(
     assert m is not None
     samples = []
     for part in parts:
-        generator = torch.Generator(device=part.W.device).manual_seed(
-            sampled.edge_seed(part.seed)
-        )
+        generator = torch.Generator(device=part.W.device).manual_seed(sampled.edge_seed(part.seed))
         transport = part.scoped if part.kept is None else part.kept
         weights_t, rows_t = weighted.edge_weights(part.W, part.drop_sink, transport)
         kept = field_defect._sent(part.terms.field, part.W.shape)

@@ -43,7 +43,7 @@ from tl_connwalk.errors import ConnWalkError
 
 #: Edges each draw samples per sequence by default (``baseline_edges`` of
 #: `tl_connwalk.walk.residual.laplacian_residual`).
-BASELINE_EDGES = 128
+BASELINE_EDGES = 64
 #: A walk is sampled only when it has more than this many times ``m`` query-key pairs:
 #: shorter walks take every edge (the sample would not be much smaller).
 SAMPLE_FACTOR = 8
@@ -53,7 +53,11 @@ def check_baseline_edges(baseline_edges: object) -> int | None:
     """``baseline_edges`` if it is ``None`` or an integer ``>= 2``, else a ConnWalkError."""
     if baseline_edges is None:
         return None
-    if isinstance(baseline_edges, bool) or not isinstance(baseline_edges, int) or baseline_edges < 2:
+    if (
+        isinstance(baseline_edges, bool)
+        or not isinstance(baseline_edges, int)
+        or baseline_edges < 2
+    ):
         raise ConnWalkError(
             "baseline_edges must be an integer >= 2 (the edges each baseline draw samples per "
             f"sequence) or None (every edge), got {baseline_edges!r}."
@@ -86,21 +90,24 @@ def sample_edges(
     generator: torch.Generator,
 ) -> tuple[Int[Tensor, "draw batch edge"], Int[Tensor, "draw batch edge"]]:
     """``n_edges`` edges per draw and sequence, drawn with replacement with probability
-    ``w_ij / sum w``: a row in proportion to its mass, then a key in proportion to its weight.
-    A sequence without mass gets arbitrary edges (its estimates are 0)."""
+    ``w_ij / sum w``: a row in proportion to its mass, then a key in proportion to its weight
+    (each by inverting the cumulative weights at a uniform number). A sequence without mass
+    gets arbitrary edges (its estimates are 0)."""
     batch, n_query, n_key = weights.shape
-    w = weights.double()
-    row_mass = w.sum(-1)
-    empty = row_mass.sum(-1) <= 0
-    row_mass = torch.where(empty[:, None], 1.0, row_mass)
-    rows = torch.multinomial(
-        row_mass.repeat(n_draws, 1), n_edges, replacement=True, generator=generator
-    ).view(n_draws, batch, n_edges)
-    seqs = torch.arange(batch, device=weights.device)[None, :, None]
-    chosen = w[seqs, rows]  # [draw, batch, edge, key]
-    chosen = torch.where(chosen.sum(-1, keepdim=True) > 0, chosen, 1.0)
-    keys = torch.multinomial(chosen.flatten(0, 2), 1, generator=generator)
-    return rows, keys.view(n_draws, batch, n_edges)
+    cumulative = weights.double().cumsum(-1)  # [batch, query, key]
+    row_cumulative = cumulative[..., -1].cumsum(-1)  # [batch, query]
+    uniform = torch.rand(
+        2, batch, n_draws * n_edges, dtype=torch.float64, device=weights.device,
+        generator=generator,
+    )  # fmt: skip
+    at = uniform[0] * row_cumulative[:, -1:]
+    rows = torch.searchsorted(row_cumulative, at, right=True).clamp_max(n_query - 1)
+    seqs = torch.arange(batch, device=weights.device)[:, None]
+    in_row = cumulative[seqs, rows]  # [batch, (draw edge), key]
+    at = uniform[1] * in_row[..., -1]
+    keys = torch.searchsorted(in_row, at[..., None], right=True)[..., 0].clamp_max(n_key - 1)
+    shape = (batch, n_draws, n_edges)
+    return rows.view(shape).transpose(0, 1), keys.view(shape).transpose(0, 1)
 
 
 def _gates_at(gates: Tensor, rows: Tensor, keys: Tensor) -> Float[Tensor, "draw batch edge head"]:
