@@ -142,8 +142,12 @@ def geometry_table(
     the effective transports), ``scale``, ``pairing`` (NaN for causal walks: not applicable),
     ``field_defect``, ``head_defect`` (delta of ``T^h``; on ``"all"`` rows the mean over heads),
     ``drift_to_next`` (layer drift to the next layer; needs that layer's hooks too), and for
-    each defect its random baseline ``<name>_baseline`` and ``<name>_baseline_std``. Values
-    are batch means. ``residuals`` (layer -> `LaplacianResidual` of this cache, with the
+    each defect its random baseline ``<name>_baseline``, the spread of the random draws
+    ``<name>_baseline_std`` and the standard error of the baseline ``<name>_baseline_se``
+    (`tl_connwalk.core.baselines.RandomBaseline`: over the draws and, on long walks, the
+    sample of edges each draw takes, ``baseline_edges``). Values are batch means; a
+    ``_se`` is that of the batch mean (of the mean over heads on ``"all"`` rows).
+    ``residuals`` (layer -> `LaplacianResidual` of this cache, with the
     same ``exclude_sink``, ``edges`` and ``heads``) reuses residuals already computed instead
     of measuring again.
 
@@ -273,26 +277,35 @@ def _layer_rows(
         "pairing": res.pairing,
         "drift_to_next": drift,
     }
+    batch = res.transport_defect.shape[0]
     walk_only = {
         "transport_defect": res.transport_defect,
         "transport_defect_baseline": base["transport_defect"].mean,
         "transport_defect_baseline_std": base["transport_defect"].std,
+        "transport_defect_baseline_se": base["transport_defect"].average_se().expand(batch),
         "field_defect": res.field_defect,
         "field_defect_baseline": base["field_defect"].mean,
         "field_defect_baseline_std": base["field_defect"].std,
+        "field_defect_baseline_se": base["field_defect"].average_se().expand(batch),
     }
-    per_head = torch.stack(
-        [res.head_defects, base["head_defects"].mean, base["head_defects"].std]
-    ).to(res.transport_defect)
+    heads_base = base["head_defects"]
+    per_head = torch.stack([res.head_defects, heads_base.mean, heads_base.std, heads_base.se]).to(
+        res.transport_defect
+    )
     head_field = res.head_field_defects.mean(0).to(per_head)
     batch_values = {name: v for name, v in (shared | walk_only).items() if v is not None}
     batch_means = torch.stack([v.to(per_head) for v in batch_values.values()]).mean(1)
-    flat = torch.cat([batch_means, per_head.mean(1), per_head.flatten(), head_field]).tolist()
+    over_heads = per_head.mean(1)
+    over_heads[3] = heads_base.average_se().to(over_heads)  # the mean's own, not the heads' mean
+    flat = torch.cat([batch_means, over_heads, per_head.flatten(), head_field]).tolist()
     means = dict(zip(batch_values, flat, strict=False))
     n_batch, n_heads = len(batch_values), per_head.shape[1]
-    head_names = ("head_defect", "head_defect_baseline", "head_defect_baseline_std")
-    walk_heads = dict(zip(head_names, flat[n_batch : n_batch + 3], strict=True))
-    columns = flat[n_batch + 3 :]  # the per-head values, then each head's field defect
+    head_names = (
+        "head_defect", "head_defect_baseline", "head_defect_baseline_std",
+        "head_defect_baseline_se",
+    )  # fmt: skip
+    walk_heads = dict(zip(head_names, flat[n_batch : n_batch + 4], strict=True))
+    columns = flat[n_batch + 4 :]  # the per-head values, then each head's field defect
     by_head = [columns[index::n_heads] for index in range(n_heads)]
     common: dict[str, object] = {
         "layer": layer,

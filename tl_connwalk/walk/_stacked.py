@@ -59,7 +59,8 @@ class _Parts:
         grams = self.terms.heads
         self.rand = self.terms.layer_draws(n_draws, seed)
         #: the draws' defects on a sample of edges (`sampled`), or with the layer's on all
-        self.sample = baseline_edges if sampled.samples(*W.shape[-2:], baseline_edges) else None
+        n_query, n_key = W.shape[-2:]
+        self.sample = baseline_edges if sampled.samples(n_query, n_key, baseline_edges) else None
         if self.sample is not None:
             self.K2, self.pair_gram = grams.K2[None], grams.pair_gram[None]
             self.message_grams = self.terms.message_grams[None]
@@ -219,10 +220,10 @@ def _sampled_baselines(
     for k, (part, (weights_t, rows_t, edges_t, weights_f, edges_f)) in enumerate(
         zip(parts, samples, strict=True)
     ):
-        transport = sampled.transport_estimates(
+        transport_est = sampled.transport_estimates(
             weights_t, rows_t, part.g, part.rand.K2, part.rand.pair_gram, part.terms.rank,
             *edges_t,
         )  # fmt: skip
         field = sampled.field_estimates(weights_f, part.g, grams[k], *edges_f)
-        out.append((transport, field))
+        out.append((transport_est, field))
     return out

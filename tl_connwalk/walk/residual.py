@@ -190,7 +190,7 @@ def laplacian_residual(
             pattern, gates renormalised among them, ``T'_ij = |S| sum_S g'^h_ij T^h``);
             ``head_defects`` and the baselines are then those of the subset.
         baseline_draws: random transports per baseline (``>= 2``).
-        baseline_edges: on a walk of more than ``8 baseline_edges`` query-key pairs, each
+        baseline_edges: on a walk of more than ``64 baseline_edges`` query-key pairs, each
             draw takes its transport and field defects on this many edges per sequence,
             drawn in proportion to the summary's weights (spec §3, "random baseline"; each
             draw its own sample); the baselines then carry the sampling error in their

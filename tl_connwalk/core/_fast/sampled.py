@@ -46,7 +46,7 @@ from tl_connwalk.errors import ConnWalkError
 BASELINE_EDGES = 64
 #: A walk is sampled only when it has more than this many times ``m`` query-key pairs:
 #: shorter walks take every edge (the sample would not be much smaller).
-SAMPLE_FACTOR = 8
+SAMPLE_FACTOR = 64
 
 
 def check_baseline_edges(baseline_edges: object) -> int | None:
