@@ -13,8 +13,10 @@ process's first call, caches of earlier cases not held) does:
 Every time is ``time.process_time`` (the process's CPU time, which another process on the
 machine does not inflate as much as the wall clock), with one thread. ``first_ratio`` is the
 first call over the median forward pass, ``warm_ratio`` the median warm call over the same.
-``--profile`` prints the cProfile of one warm call (and ``--profile-first`` of the first call)
-sorted by own time instead.
+``--cold`` empties every cache first, the head Grams and draws kept on disk across processes
+included (`tl_connwalk.clear_caches`): the first call is then a model's first ever; without
+it, the first call of a process that finds them on disk. ``--profile`` prints the cProfile
+of one warm call (and ``--profile-first`` of the first call) sorted by own time instead.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python benchmarks/table_cost.py
     OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python benchmarks/table_cost.py gpt2 --tokens 1024
@@ -47,14 +49,19 @@ def _cpu_seconds(fn: Callable[[], object]) -> tuple[float, object]:
     return time.process_time() - start, out
 
 
-def measure(name: str, n_pos: int, draws: int, profile: str | None) -> dict[str, object]:
-    """One model at ``n_pos`` tokens, in this process (see the module docstring)."""
+def measure(
+    name: str, n_pos: int, draws: int, profile: str | None, cold: bool = False
+) -> dict[str, object]:
+    """One model at ``n_pos`` tokens, in this process (see the module docstring); ``cold``:
+    every cache emptied first, the one on disk included (a model's first call ever)."""
     sys.path.insert(0, str(Path(__file__).parent))
     import op_count
 
     import tl_connwalk
 
     torch.set_num_threads(1)
+    if cold:
+        tl_connwalk.clear_caches()
     model = op_count.build(name, n_pos)
     vocab = min(op_count.VOCAB, model.cfg.d_vocab)
     tokens = torch.randint(
@@ -91,6 +98,7 @@ def measure(name: str, n_pos: int, draws: int, profile: str | None) -> dict[str,
         "threads": torch.get_num_threads(),
         "forward_s": round(fwd, 3),
         "first_s": round(first, 3),
+        "cold": cold,
         "warm_s": [round(t, 3) for t in warm],
         "first_ratio": round(first / fwd, 2),
         "warm_ratio": round(statistics.median(warm) / fwd, 2),
@@ -114,18 +122,22 @@ def main() -> None:
     parser.add_argument("--draws", type=int, default=8, help="baseline_draws (default 8)")
     parser.add_argument("--profile", action="store_true", help="cProfile of a warm call")
     parser.add_argument("--profile-first", action="store_true", help="cProfile of the first")
+    parser.add_argument(
+        "--cold", action="store_true",
+        help="empty every cache first, the head Grams and draws kept on disk included",
+    )  # fmt: skip
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     profile = "first" if args.profile_first else "warm" if args.profile else None
     if args.inside:  # one case, in this process
         (name,), (n_pos,) = args.models, args.tokens
-        print(json.dumps(measure(name, n_pos, args.draws, profile)), flush=True)
+        print(json.dumps(measure(name, n_pos, args.draws, profile, args.cold)), flush=True)
         return
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     for name in args.models or ["gpt2", "llama16", "smollm2"]:
         for n_pos in args.tokens:
             command = [sys.executable, __file__, name, "--tokens", str(n_pos), "--inside"]
-            command += ["--draws", str(args.draws)]
+            command += ["--draws", str(args.draws)] + ["--cold"] * args.cold
             command += ["--profile"] * args.profile + ["--profile-first"] * args.profile_first
             subprocess.run(command, env=env, check=True)
 
