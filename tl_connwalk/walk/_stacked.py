@@ -168,7 +168,9 @@ def _stacked_means(
     )  # fmt: skip
     anywhere = torch.stack([p.applicable.any() for p in pairing]).tolist()
     batch = first.W.shape[0]
-    estimates = _sampled_baselines(parts) if first.sample is not None else [None] * count
+    estimates: Sequence[tuple[sampled.Estimates, sampled.Estimates] | None] = [None] * count
+    if first.sample is not None:
+        estimates = _sampled_baselines(parts, walks, gates, X, edges)
     return [
         _Means(
             means.defect[k],
@@ -191,39 +193,48 @@ def _stacked_means(
 
 def _sampled_baselines(
     parts: list[_Parts],
+    walks: Float[Tensor, "seq query key"],
+    gates: Float[Tensor, "seq head query key"],
+    field: Float[Tensor, "seq key d_model"],
+    scoped: Tensor | None,
 ) -> list[tuple[sampled.Estimates, sampled.Estimates]]:
     """The draws' transport and field defects of stackable walks on samples of edges
-    (`tl_connwalk.core._fast.sampled`): each walk's edges drawn from its own summary weights
-    by a generator of its own (a walk's estimates are the same alone or in a group), the
-    draws' message Grams at the sampled keys of every walk at once."""
-    first = parts[0]
+    (`tl_connwalk.core._fast.sampled`), the walks side by side as one batch of sequences
+    (``walks``, ``gates``, ``field`` and the ``scoped`` edges of `_stacked_means`): each walk's
+    edges drawn from its own summary weights with the same uniform numbers whatever the group
+    (a walk's estimates are the same alone or in a group), the rest in one pass for all."""
+    first, count = parts[0], len(parts)
     n_draws, m = first.n_draws, first.sample
     assert m is not None
-    samples = []
-    for part in parts:
-        generator = torch.Generator(device=part.W.device).manual_seed(sampled.edge_seed(part.seed))
-        transport = part.scoped if part.kept is None else part.kept
-        weights_t, rows_t = weighted.edge_weights(part.W, part.drop_sink, transport)
-        kept = field_defect._sent(part.terms.field, part.W.shape)
-        if part.scoped is not None:
-            kept = part.scoped if kept is None else kept & part.scoped
-        weights_f, _ = weighted.edge_weights(part.W, part.drop_sink, kept)
-        edges_t = sampled.sample_edges(weights_t, n_draws, m, generator)
-        edges_f = sampled.sample_edges(weights_f, n_draws, m, generator)
-        samples.append((weights_t, rows_t, edges_t, weights_f, edges_f))
-    grams = sampled.sampled_message_grams(
-        [part.rand for part in parts],
-        _stacked([part.terms.field for part in parts]),
-        _stacked([edges_f[1] for *_, edges_f in samples]),
+    batch = first.W.shape[0]
+    # every walk's own numbers: one seed for all (the call's), so one draw of them, repeated
+    generator = torch.Generator(device=walks.device).manual_seed(sampled.edge_seed(first.seed))
+    uniform = sampled.uniforms(generator, batch, n_draws, m, walks.device).repeat(1, count, 1)
+    kept = _stacked_masks([p.scoped if p.kept is None else p.kept for p in parts])
+    weights_t, rows_t = weighted.edge_weights(
+        walks, first.drop_sink, None if kept is None else kept.flatten(0, 1)
     )
-    out = []
-    for k, (part, (weights_t, rows_t, edges_t, weights_f, edges_f)) in enumerate(
-        zip(parts, samples, strict=True)
-    ):
-        transport_est = sampled.transport_estimates(
-            weights_t, rows_t, part.g, part.rand.K2, part.rand.pair_gram, part.terms.rank,
-            *edges_t,
-        )  # fmt: skip
-        field = sampled.field_estimates(weights_f, part.g, grams[k], *edges_f)
-        out.append((transport_est, field))
-    return out
+    sent = field_defect._sent(field, walks.shape)
+    if scoped is not None:
+        sent = scoped if sent is None else sent & scoped
+    weights_f, _ = weighted.edge_weights(walks, first.drop_sink, sent)
+    rows_f, keys_f = sampled.sample_edges(weights_f, uniform[2:], n_draws)
+    grams = sampled.sampled_message_grams(
+        [part.rand for part in parts], field.unflatten(0, (count, batch)), keys_f
+    )
+    field_est = sampled.field_estimates(weights_f, gates, grams, rows_f, keys_f)
+
+    def per_sequence(tensors: list[Tensor]) -> Tensor:
+        """``[draw, ...]`` of each walk as ``[draw, (stack batch), ...]``."""
+        return torch.stack(tensors, 1).repeat_interleave(batch, dim=1)
+
+    transport_est = sampled.transport_estimates(
+        weights_t, rows_t, gates, per_sequence([p.rand.K2 for p in parts]),
+        per_sequence([p.rand.pair_gram for p in parts]), first.terms.rank,
+        *sampled.sample_edges(weights_t, uniform[:2], n_draws),
+    )  # fmt: skip
+
+    def of_walk(est: sampled.Estimates, k: int) -> sampled.Estimates:
+        return sampled.Estimates(*(t.unflatten(1, (count, batch))[:, k] for t in est))
+
+    return [(of_walk(transport_est, k), of_walk(field_est, k)) for k in range(count)]

@@ -83,30 +83,35 @@ def edge_seed(seed: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def uniforms(
+    generator: torch.Generator, batch: int, n_draws: int, n_edges: int, device: torch.device
+) -> Float[Tensor, "four batch sample"]:
+    """The uniform numbers of `sample_edges` for two samples (the transport defect's, the
+    field defect's) of ``n_edges`` edges per draw and sequence, from ``generator``."""
+    return torch.rand(
+        4, batch, n_draws * n_edges, dtype=torch.float64, device=device, generator=generator
+    )
+
+
 def sample_edges(
     weights: Float[Tensor, "batch query key"],
+    uniform: Float[Tensor, "two batch sample"],
     n_draws: int,
-    n_edges: int,
-    generator: torch.Generator,
 ) -> tuple[Int[Tensor, "draw batch edge"], Int[Tensor, "draw batch edge"]]:
-    """``n_edges`` edges per draw and sequence, drawn with replacement with probability
-    ``w_ij / sum w``: a row in proportion to its mass, then a key in proportion to its weight
-    (each by inverting the cumulative weights at a uniform number). A sequence without mass
-    gets arbitrary edges (its estimates are 0)."""
+    """``n_draws`` samples of edges per sequence, drawn with replacement with probability
+    ``w_ij / sum w``: a row in proportion to its mass, then a key in proportion to its weight,
+    each by inverting the cumulative weights at ``uniform[0]`` and ``uniform[1]`` (`uniforms`).
+    A sequence without mass gets arbitrary edges (its estimates are 0)."""
     batch, n_query, n_key = weights.shape
     cumulative = weights.double().cumsum(-1)  # [batch, query, key]
     row_cumulative = cumulative[..., -1].cumsum(-1)  # [batch, query]
-    uniform = torch.rand(
-        2, batch, n_draws * n_edges, dtype=torch.float64, device=weights.device,
-        generator=generator,
-    )  # fmt: skip
     at = uniform[0] * row_cumulative[:, -1:]
     rows = torch.searchsorted(row_cumulative, at, right=True).clamp_max(n_query - 1)
     seqs = torch.arange(batch, device=weights.device)[:, None]
     in_row = cumulative[seqs, rows]  # [batch, (draw edge), key]
     at = uniform[1] * in_row[..., -1]
     keys = torch.searchsorted(in_row, at[..., None], right=True)[..., 0].clamp_max(n_key - 1)
-    shape = (batch, n_draws, n_edges)
+    shape = (batch, n_draws, -1)
     return rows.view(shape).transpose(0, 1), keys.view(shape).transpose(0, 1)
 
 
@@ -128,21 +133,22 @@ def transport_estimates(
     weights: Float[Tensor, "batch query key"],
     rows_count: Float[Tensor, " batch"],
     gates: Float[Tensor, "batch head query key"],
-    K2: Float[Tensor, "draw head head"],
-    pair_gram: Float[Tensor, "draw pair pair"],
+    K2: Float[Tensor, "draw batch head head"],
+    pair_gram: Float[Tensor, "draw batch pair pair"],
     rank: int,
     rows: Int[Tensor, "draw batch edge"],
     keys: Int[Tensor, "draw batch edge"],
 ) -> Estimates:
     """Each draw's walk-weighted ``eps`` on its sampled edges (`sample_edges` of
     ``weights``, `tl_connwalk.core.weighted.edge_weights` with ``n = rows_count``):
-    ``sum sigma^2 = H^2 g^T K2 g``, ``sum sigma^4 = H^4 u^T fold(K4) u`` (spec §3) per edge."""
+    ``sum sigma^2 = H^2 g^T K2 g``, ``sum sigma^4 = H^4 u^T fold(K4) u`` (spec §3) per edge,
+    with each sequence's draws' ``K2`` and folded ``K4``."""
     n_heads = gates.shape[1]
     g = _gates_at(gates, rows, keys)
     first, second = quartic.head_pairs(n_heads, gates.device)
     u = g[..., first] * g[..., second]
-    sigma2 = n_heads**2 * einsum(g, K2.double(), g, "d b e a, d a c, d b e c -> d b e")
-    sigma4 = n_heads**4 * einsum(u, pair_gram.double(), u, "d b e p, d p q, d b e q -> d b e")
+    sigma2 = n_heads**2 * einsum(g, K2.double(), g, "d b e a, d b a c, d b e c -> d b e")
+    sigma4 = n_heads**4 * einsum(u, pair_gram.double(), u, "d b e p, d b p q, d b e q -> d b e")
     eps = ratio_defect(rank * sigma4 - sigma2**2, rank * sigma4)
     total = weights.double().flatten(1).sum(-1)
     factor = torch.where(rows_count > 0, total / rows_count.double().clamp_min(1.0), 0.0)
@@ -193,16 +199,17 @@ def _distinct_keys(keys: Tensor, n_key: int, width: int) -> tuple[Tensor, Tensor
 def sampled_message_grams(
     layers: Sequence[draws_module.LayerDraws],
     field: Float[Tensor, "stack batch key d_model"],
-    keys: Int[Tensor, "stack draw batch edge"],
-) -> Float[Tensor, "stack draw batch edge head head"]:
-    """Draw ``d``'s ratio Grams ``H^2 G'_j / ||x_j||^2`` of layer ``l`` at each key
-    ``keys[l, d]`` (the layers' heads of one shape, one raw draw set).
+    keys: Int[Tensor, "draw seq edge"],
+) -> Float[Tensor, "draw seq edge head head"]:
+    """Draw ``d``'s ratio Grams ``H^2 G'_j / ||x_j||^2`` at each key ``keys[d, s]`` of
+    sequence ``s`` (the layers' sequences one after another, ``seq = stack batch``; the
+    layers' heads of one shape, one raw draw set).
 
-    Per draw, the distinct sampled keys of every sequence of every layer (`_distinct_keys`,
-    ``min(m, n)`` of them) go through the keys' route (`draws.key_factor`,
-    `draws.key_draws` of that many keys: exact in distribution for those keys), or through
-    the draw's ``R_V`` where their factorisation fails, then each sequence is scaled to its
-    layer's head norms.
+    The distinct sampled keys of every draw and sequence (`_distinct_keys`, ``min(m, n)`` of
+    them) go through the keys' route (`draws.key_factor`, `draws.key_draws` of that many
+    keys: exact in distribution for those keys), all draws in one batched product where the
+    draws keep their output-Gram rows, or through the draw's ``R_V`` where the factorisation
+    fails; each sequence is then scaled to its layer's head norms.
     """
     raw = layers[0].raw
     if len(layers) != field.shape[0] or any(layer.raw is not raw for layer in layers):
@@ -210,49 +217,74 @@ def sampled_message_grams(
             "sampled draws need one field per layer and the same raw draws (heads of one shape)."
         )
     n_draws, n_heads = raw.grams.norms_sq.shape
-    stack, batch, n_key, _ = field.shape
-    width_keys = min(keys.shape[-1], n_key)
-    flat = field.flatten(0, 1)
+    stack, batch, n_key, d_model = field.shape
+    n_seq, width = stack * batch, min(keys.shape[-1], n_key)
     owner = torch.arange(stack, device=field.device).repeat_interleave(batch)
-    norms_sq = torch.stack([layer.norms_sq for layer in layers])[owner]
+    norms_sq = torch.stack([layer.norms_sq for layer in layers])[owner]  # [seq, head]
     scales = torch.stack([layer.scales for layer in layers])[owner]  # [seq, draw, head]
-    seqs = torch.arange(flat.shape[0], device=field.device)[:, None]
+    order, where = _distinct_keys(keys.flatten(0, 1), n_key, width)  # [(draw seq), ...]
+    flat = field.flatten(0, 1).repeat(n_draws, 1, 1)
+    X = flat[torch.arange(flat.shape[0], device=field.device)[:, None], order]
+    grams = X.new_zeros(n_draws, n_seq, width, n_heads, n_heads)
+    route = draws_module.key_factor(X, 1, raw.v_shape[0] * raw.v_shape[2])
+    direct = torch.ones(n_draws, n_seq, dtype=torch.bool, device=X.device)
+    if route is not None and bool(route[1].any()):
+        factor, factored = route
+        factored = factored.view(n_draws, n_seq)
+        factor = torch.where(factored.flatten()[:, None, None], factor, 0.0)
+        keyed = draws_module.key_draws(
+            raw.v_shape, raw.o_shape, raw.dtype, raw.device, raw.seed, n_draws, width,
+            *draws_module._sharing(raw.kv_heads),
+        )  # fmt: skip
+        values = torch.stack(list(keyed.values()))  # [draw, width, H d_head]
+        part = _keyed_grams(factor.view(n_draws, n_seq, width, width), values, raw)
+        scale = isometry.draw_scales(norms_sq[None], keyed.norms_sq[:, None])  # [draw, seq, h]
+        grams = part * _outer(scale)[:, :, None].to(part)
+        direct = ~factored
+    if bool(direct.any()):
+        X = X.view(n_draws, n_seq, width, d_model)
+        out_rows = raw.grams.out_rows
+        for d, (R_V, R_O) in enumerate(raw.factors()):
+            if bool(direct[d].any()):
+                rows = None if out_rows is None else out_rows[d]
+                part = field_defect.message_grams(X[d, direct[d]], R_V, R_O, out_rows=rows)
+                grams[d, direct[d]] = part * _outer(scales[direct[d], d])[:, None].to(part)
+            del R_V, R_O
+    grams = field_defect._ratio_grams(grams, X.view(n_draws, n_seq, width, d_model))
+    grams = grams.flatten(0, 1)
+    picked = grams[torch.arange(grams.shape[0], device=grams.device)[:, None], where]
+    return picked.view(n_draws, n_seq, -1, n_heads, n_heads)
+
+
+def _keyed_grams(
+    factor: Float[Tensor, "draw seq key key"],
+    values: Float[Tensor, "draw key head_d_head"],
+    raw: draws_module.RawDraws,
+) -> Float[Tensor, "draw seq key head head"]:
+    """The raw message Grams of the values ``factor[d, s] @ values[d]``: every draw at once
+    through the draws' output-Gram rows where they keep them, else one draw at a time
+    through its ``R_O``."""
+    n_draws, n_seq, _, rank = factor.shape
+    n_heads = raw.v_shape[0]
+    d_head = values.shape[-1] // n_heads
     out_rows = raw.grams.out_rows
-    keyed = None
-    result = []
-    for d, (R_V, R_O) in enumerate(raw.factors()):
-        order, where = _distinct_keys(keys[:, d].flatten(0, 1), n_key, width_keys)
-        X = flat[seqs, order]  # [seq, width_keys, d_model]
-        grams = X.new_empty(X.shape[0], width_keys, n_heads, n_heads)
-        route = draws_module.key_factor(X, 1, raw.v_shape[0] * raw.v_shape[2])
-        direct = torch.ones(X.shape[0], dtype=torch.bool, device=X.device)
-        if route is not None:
-            factor, factored = route
-            if bool(factored.any()):
-                if keyed is None:
-                    keyed = draws_module.key_draws(
-                        raw.v_shape, raw.o_shape, raw.dtype, raw.device, raw.seed, n_draws,
-                        width_keys, *draws_module._sharing(raw.kv_heads),
-                    )  # fmt: skip
-                    values = list(keyed.values())
-                Y = values[d][None]
-                if out_rows is not None:
-                    part = messages.stacked_factored_grams(
-                        factor[factored], Y, n_heads, out_rows=out_rows[d : d + 1]
-                    )[0]
-                else:
-                    part = messages.stacked_factored_grams(factor[factored], Y, n_heads, W_O=R_O)[0]
-                scale = isometry.draw_scales(norms_sq[factored], keyed.norms_sq[d])
-                grams[factored] = part * _outer(scale)[:, None].to(part)
-            direct = ~factored
-        if bool(direct.any()):
-            rows = None if out_rows is None else out_rows[d]
-            part = field_defect.message_grams(X[direct], R_V, R_O, out_rows=rows)
-            grams[direct] = part * _outer(scales[direct, d])[:, None].to(part)
-        del R_V, R_O
-        grams = field_defect._ratio_grams(grams, X)
-        result.append(grams[seqs, where])  # [seq, edge, head, head]
-    return torch.stack(result).unflatten(1, (stack, batch)).transpose(0, 1)
+    if out_rows is None:
+        return torch.stack(
+            [
+                messages.stacked_factored_grams(factor[d], values[d][None], n_heads, W_O=R_O)[0]
+                for d, (_, R_O) in enumerate(raw.factors())
+            ]
+        )
+
+    def head_values(block: slice) -> Tensor:
+        """``[draw, head, (seq rows), d_head]``: each draw's values of its sequences' rows."""
+        rows = factor[:, :, block].reshape(n_draws, -1, rank)
+        v = torch.bmm(rows, values).view(n_draws, rows.shape[1], n_heads, d_head)
+        return v.transpose(1, 2).contiguous()
+
+    return messages._paired_grams(
+        head_values, factor[0, 0], (n_draws, n_seq), (n_heads, d_head), out_rows
+    )
 
 
 def _outer(scale: Tensor) -> Tensor:
