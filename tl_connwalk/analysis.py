@@ -16,7 +16,7 @@ from transformer_lens import ActivationCache
 
 from tl_connwalk.cache import connection_walks, layers_of, n_layers_of, walk_matrix
 from tl_connwalk.core import markov, padding
-from tl_connwalk.core._fast.sampled import BASELINE_EDGES
+from tl_connwalk.core.caches import sampled
 from tl_connwalk.core.checks import check_draws, check_flag
 from tl_connwalk.core.isometry import query_chunks
 from tl_connwalk.core.walk import check_heads
@@ -127,7 +127,7 @@ def geometry_table(
     *,
     exclude_sink: bool = False,
     baseline_draws: int = 8,
-    baseline_edges: int | None = BASELINE_EDGES,
+    baseline_edges: int | None = sampled.BASELINE_EDGES,
     seed: int = 0,
     progress: bool = True,
     residuals: Mapping[int, LaplacianResidual] | None = None,
@@ -145,8 +145,9 @@ def geometry_table(
     each defect its random baseline ``<name>_baseline``, the spread of the random draws
     ``<name>_baseline_std`` and the standard error of the baseline ``<name>_baseline_se``
     (`tl_connwalk.core.baselines.RandomBaseline`: over the draws and, on long walks, the
-    sample of edges each draw takes, ``baseline_edges``). Values are batch means; a
-    ``_se`` is that of the batch mean (of the mean over heads on ``"all"`` rows).
+    sample of edges each draw takes, ``baseline_edges``). Values are batch means (and on
+    ``"all"`` rows means over heads), the standard errors too: each at most the standard error
+    of the mean it stands beside.
     ``residuals`` (layer -> `LaplacianResidual` of this cache, with the
     same ``exclude_sink``, ``edges`` and ``heads``) reuses residuals already computed instead
     of measuring again.
@@ -277,16 +278,15 @@ def _layer_rows(
         "pairing": res.pairing,
         "drift_to_next": drift,
     }
-    batch = res.transport_defect.shape[0]
     walk_only = {
         "transport_defect": res.transport_defect,
         "transport_defect_baseline": base["transport_defect"].mean,
         "transport_defect_baseline_std": base["transport_defect"].std,
-        "transport_defect_baseline_se": base["transport_defect"].average_se().expand(batch),
+        "transport_defect_baseline_se": base["transport_defect"].se,
         "field_defect": res.field_defect,
         "field_defect_baseline": base["field_defect"].mean,
         "field_defect_baseline_std": base["field_defect"].std,
-        "field_defect_baseline_se": base["field_defect"].average_se().expand(batch),
+        "field_defect_baseline_se": base["field_defect"].se,
     }
     heads_base = base["head_defects"]
     per_head = torch.stack([res.head_defects, heads_base.mean, heads_base.std, heads_base.se]).to(
@@ -296,7 +296,6 @@ def _layer_rows(
     batch_values = {name: v for name, v in (shared | walk_only).items() if v is not None}
     batch_means = torch.stack([v.to(per_head) for v in batch_values.values()]).mean(1)
     over_heads = per_head.mean(1)
-    over_heads[3] = heads_base.average_se().to(over_heads)  # the mean's own, not the heads' mean
     flat = torch.cat([batch_means, over_heads, per_head.flatten(), head_field]).tolist()
     means = dict(zip(batch_values, flat, strict=False))
     n_batch, n_heads = len(batch_values), per_head.shape[1]

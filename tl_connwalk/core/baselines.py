@@ -135,13 +135,6 @@ class RandomBaseline:
     def se(self) -> Tensor:
         return self.draws.std(0) / self.n_draws**0.5
 
-    def average_se(self) -> Tensor:
-        """The standard error of ``mean`` averaged over its last axis (a batch's sequences, a
-        layer's heads): the spread over draws of each draw's average, over ``sqrt(n_draws)``
-        (the sequences and heads share the draws, so their errors do not average out)."""
-        per_draw = self.draws.mean(-1)
-        return per_draw.std(0) / self.n_draws**0.5
-
     @property
     def n_draws(self) -> int:
         return self.draws.shape[0]

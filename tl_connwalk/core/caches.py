@@ -16,7 +16,7 @@ Results never depend on them: a cleared cache is filled again with the same numb
 stores themselves are private (``tl_connwalk.core._fast``); `head_grams` and `layer_draws`
 are the two cached terms a layer's measurements read (`tl_connwalk.walk.residual`),
 `stacked_layer_draws` the draws of several layers at once and `stacked_draw_message_grams`
-their field baselines.
+their field baselines; `sampled` takes the draws' walk-weighted defects on samples of edges.
 
 >>> import tl_connwalk
 >>> sorted(tl_connwalk.caches())[0]
@@ -28,7 +28,7 @@ their field baselines.
 
 from pathlib import Path
 
-from tl_connwalk.core._fast import disk, draws, lru, quartic
+from tl_connwalk.core._fast import disk, draws, lru, quartic, sampled
 from tl_connwalk.core._fast import head_grams as _head_grams
 from tl_connwalk.core._fast.draws import (
     LayerDraws,
@@ -47,6 +47,7 @@ __all__ = [
     "disk_cache_info",
     "head_grams",
     "layer_draws",
+    "sampled",
     "stacked_draw_message_grams",
     "stacked_layer_draws",
 ]

@@ -240,7 +240,7 @@ def _defects(res: LaplacianResidual, name: str, value: Tensor, suffix: str) -> d
         column: _mean(value),
         f"{column}_baseline": _mean(base.mean),
         f"{column}_baseline_std": _mean(base.std),
-        f"{column}_baseline_se": float(base.average_se().float()),
+        f"{column}_baseline_se": _mean(base.se),
     }
 
 
@@ -252,9 +252,9 @@ def summary_frame(measurements: Measurements) -> pd.DataFrame:
     applicable) with ``pairing_baseline`` and ``pairing_baseline_std`` (`pairing_baseline`),
     ``head_defect`` (mean over heads; ``_min``, ``_max``), ``transport_defect``,
     ``field_defect``, ``scale``, ``drift_to_next``, each defect with ``_baseline``,
-    ``_baseline_std`` (random transports: their mean and spread) and ``_baseline_se`` (the
-    mean's standard error, `RandomBaseline.average_se`), and the walk-weighted ones again as
-    ``*_nosink``.
+    ``_baseline_std`` (random transports: their mean and spread) and ``_baseline_se`` (its
+    standard error, `RandomBaseline.se`; batch means, as every column), and the walk-weighted
+    ones again as ``*_nosink``.
     """
     n_transitions = len(measurements.drift["with_sink"])
     rows = []
@@ -285,9 +285,7 @@ def summary_frame(measurements: Measurements) -> pd.DataFrame:
             base = record.pairing_baseline.get(name)
             row[f"pairing{suffix}_baseline"] = _mean(None if base is None else base.mean)
             row[f"pairing{suffix}_baseline_std"] = _mean(None if base is None else base.std)
-            row[f"pairing{suffix}_baseline_se"] = (
-                math.nan if base is None else float(base.average_se().float())
-            )
+            row[f"pairing{suffix}_baseline_se"] = _mean(None if base is None else base.se)
         row |= _defects(r0, "head_defects", r0.head_defects, "")
         for res, suffix in ((r0, ""), (r1, "_nosink")):
             row |= _defects(res, "transport_defect", res.transport_defect, suffix)

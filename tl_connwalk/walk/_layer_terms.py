@@ -16,12 +16,12 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from tl_connwalk.core import field_defect, isometry
-from tl_connwalk.core._fast import sampled
 from tl_connwalk.core.caches import (
     HeadGrams,
     LayerDraws,
     head_grams,
     layer_draws,
+    sampled,
     stacked_draw_message_grams,
     stacked_layer_draws,
 )

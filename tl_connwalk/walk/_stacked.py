@@ -16,7 +16,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from tl_connwalk.core import field_defect, isometry, markov, padding, weighted
-from tl_connwalk.core._fast import sampled
+from tl_connwalk.core.caches import sampled
 from tl_connwalk.walk._layer_terms import MeasuredWalk, Memo
 
 
@@ -60,7 +60,10 @@ class _Parts:
         self.rand = self.terms.layer_draws(n_draws, seed)
         #: the draws' defects on a sample of edges (`sampled`), or with the layer's on all
         n_query, n_key = W.shape[-2:]
-        self.sample = baseline_edges if sampled.samples(n_query, n_key, baseline_edges) else None
+        # a padded batch takes every edge: its sequences' baselines are then those they have
+        # alone (their samples would not be)
+        sampling = walk.attention_mask is None and sampled.samples(n_query, n_key, baseline_edges)
+        self.sample = baseline_edges if sampling else None
         if self.sample is not None:
             self.K2, self.pair_gram = grams.K2[None], grams.pair_gram[None]
             self.message_grams = self.terms.message_grams[None]

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from tl_connwalk.core import isometry, laplacian, markov, padding
 from tl_connwalk.core import walk as core_walk
-from tl_connwalk.core._fast import sampled
+from tl_connwalk.core.caches import sampled
 from tl_connwalk.core.isometry import RandomBaseline
 from tl_connwalk.core.laplacian import NearestOperatorDistance
 from tl_connwalk.errors import ConnWalkError
@@ -194,7 +194,8 @@ def laplacian_residual(
             draw takes its transport and field defects on this many edges per sequence,
             drawn in proportion to the summary's weights (spec §3, "random baseline"; each
             draw its own sample); the baselines then carry the sampling error in their
-            standard error (`RandomBaseline.se`). ``None``: every edge.
+            standard error (`RandomBaseline.se`). ``None``, and a padded batch (whose
+            sequences keep the baselines they have alone): every edge.
         seed: seed of the random baselines and of the edge sample.
         exact: also build the nearest random-walk connection operator ``P*`` (spec §4) and
             report ``||P - P*||_F / ||P||_F``; materialises ``d_model x d_model`` maps edge by
