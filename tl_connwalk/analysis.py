@@ -16,6 +16,7 @@ from transformer_lens import ActivationCache
 
 from tl_connwalk.cache import connection_walks, layers_of, n_layers_of, walk_matrix
 from tl_connwalk.core import markov, padding
+from tl_connwalk.core.caches import sampled
 from tl_connwalk.core.checks import check_draws, check_flag
 from tl_connwalk.core.isometry import query_chunks
 from tl_connwalk.core.walk import check_heads
@@ -126,6 +127,7 @@ def geometry_table(
     *,
     exclude_sink: bool = False,
     baseline_draws: int = 8,
+    baseline_edges: int | None = sampled.BASELINE_EDGES,
     seed: int = 0,
     progress: bool = True,
     residuals: Mapping[int, LaplacianResidual] | None = None,
@@ -140,8 +142,13 @@ def geometry_table(
     the effective transports), ``scale``, ``pairing`` (NaN for causal walks: not applicable),
     ``field_defect``, ``head_defect`` (delta of ``T^h``; on ``"all"`` rows the mean over heads),
     ``drift_to_next`` (layer drift to the next layer; needs that layer's hooks too), and for
-    each defect its random baseline ``<name>_baseline`` and ``<name>_baseline_std``. Values
-    are batch means. ``residuals`` (layer -> `LaplacianResidual` of this cache, with the
+    each defect its random baseline ``<name>_baseline``, the spread of the random draws
+    ``<name>_baseline_std`` and the standard error of the baseline ``<name>_baseline_se``
+    (`tl_connwalk.core.baselines.RandomBaseline`: over the draws and, on long walks, the
+    sample of edges each draw takes, ``baseline_edges``). Values are batch means (and on
+    ``"all"`` rows means over heads), the standard errors too: each at most the standard error
+    of the mean it stands beside.
+    ``residuals`` (layer -> `LaplacianResidual` of this cache, with the
     same ``exclude_sink``, ``edges`` and ``heads``) reuses residuals already computed instead
     of measuring again.
 
@@ -239,7 +246,7 @@ def geometry_table(
         measure = [layer for layer in group_layers if found[layer] is None]
         measured = ConnectionWalk.laplacian_residuals(
             [walk_of(layer) for layer in measure], exclude_sink=exclude_sink, edges=edges,
-            baseline_draws=baseline_draws, seed=seed,
+            baseline_draws=baseline_draws, baseline_edges=baseline_edges, seed=seed,
         )  # fmt: skip
         results = {layer: res for layer, res in found.items() if res is not None}
         results |= dict(zip(measure, measured, strict=True))
@@ -275,22 +282,29 @@ def _layer_rows(
         "transport_defect": res.transport_defect,
         "transport_defect_baseline": base["transport_defect"].mean,
         "transport_defect_baseline_std": base["transport_defect"].std,
+        "transport_defect_baseline_se": base["transport_defect"].se,
         "field_defect": res.field_defect,
         "field_defect_baseline": base["field_defect"].mean,
         "field_defect_baseline_std": base["field_defect"].std,
+        "field_defect_baseline_se": base["field_defect"].se,
     }
-    per_head = torch.stack(
-        [res.head_defects, base["head_defects"].mean, base["head_defects"].std]
-    ).to(res.transport_defect)
+    heads_base = base["head_defects"]
+    per_head = torch.stack([res.head_defects, heads_base.mean, heads_base.std, heads_base.se]).to(
+        res.transport_defect
+    )
     head_field = res.head_field_defects.mean(0).to(per_head)
     batch_values = {name: v for name, v in (shared | walk_only).items() if v is not None}
     batch_means = torch.stack([v.to(per_head) for v in batch_values.values()]).mean(1)
-    flat = torch.cat([batch_means, per_head.mean(1), per_head.flatten(), head_field]).tolist()
+    over_heads = per_head.mean(1)
+    flat = torch.cat([batch_means, over_heads, per_head.flatten(), head_field]).tolist()
     means = dict(zip(batch_values, flat, strict=False))
     n_batch, n_heads = len(batch_values), per_head.shape[1]
-    head_names = ("head_defect", "head_defect_baseline", "head_defect_baseline_std")
-    walk_heads = dict(zip(head_names, flat[n_batch : n_batch + 3], strict=True))
-    columns = flat[n_batch + 3 :]  # the per-head values, then each head's field defect
+    head_names = (
+        "head_defect", "head_defect_baseline", "head_defect_baseline_std",
+        "head_defect_baseline_se",
+    )  # fmt: skip
+    walk_heads = dict(zip(head_names, flat[n_batch : n_batch + 4], strict=True))
+    columns = flat[n_batch + 4 :]  # the per-head values, then each head's field defect
     by_head = [columns[index::n_heads] for index in range(n_heads)]
     common: dict[str, object] = {
         "layer": layer,

@@ -219,8 +219,10 @@ def _check_made_by(cache: ActivationCache, model: nn.Module, missing: list[str] 
                 f"this cache was made by another model, a {theirs}, not {passed}.{lacks} "
                 f"{_OTHER_MODEL_FIX}"
             )
+    if missing is None:  # before hook_dict: a bridge builds it anew on every read
+        return
     hook_dict = getattr(model, "hook_dict", None)
-    if missing is None or not isinstance(hook_dict, Mapping):
+    if not isinstance(hook_dict, Mapping):
         return
     foreign = [name for name in cache.cache_dict if name not in hook_dict]
     if foreign:

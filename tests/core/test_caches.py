@@ -3,7 +3,7 @@
 import torch
 
 import tl_connwalk
-from tl_connwalk.core._fast import draws, head_grams, lru
+from tl_connwalk.core._fast import disk, draws, head_grams, lru
 from tl_connwalk.walk import ConnectionWalk
 
 NAMES = {
@@ -79,3 +79,32 @@ def test_tensor_bytes_reads_through_containers():
     )  # fmt: skip
     assert lru.tensor_bytes(([torch.zeros(3)], {"a": torch.zeros(2, dtype=torch.int64)})) == 28
     assert draws.raw_draws.cache_info().maxsize == 2
+
+
+def test_the_disk_cache_serves_a_new_process_the_same_numbers(tmp_path, monkeypatch):
+    """What a first measurement builds (head Grams, the draws) is read back from disk once
+    the process-wide stores are empty, as a new process finds it; `clear_caches` empties the
+    folder too, and the folder keeps within its bound."""
+    monkeypatch.setenv("TL_CONNWALK_CACHE", str(tmp_path))
+    tl_connwalk.clear_caches()
+    first = small_walk(1).laplacian_residual(baseline_draws=2).to_dict()
+    folder, entries, size = tl_connwalk.core.caches.disk_cache_info()
+    assert folder == tmp_path / "grams" and entries == 2 and size > 0  # the layer's, the draws'
+    lru.clear_caches()  # the memory of this process only: a new process
+    computed = []
+    monkeypatch.setattr(
+        head_grams, "compute_head_grams", lambda *a, **k: computed.append(a) or None
+    )
+    again = small_walk(1).laplacian_residual(baseline_draws=2).to_dict()
+    assert again == first and not computed  # read back, not computed
+    tl_connwalk.clear_caches()
+    assert tl_connwalk.core.caches.disk_cache_info()[1:] == (0, 0)
+    monkeypatch.undo()
+    monkeypatch.setenv("TL_CONNWALK_CACHE", str(tmp_path))
+    monkeypatch.setattr(disk, "DISK_BYTES", size // 2)  # room for the smaller entry alone
+    small_walk(1).laplacian_residual(baseline_draws=2)
+    assert tl_connwalk.core.caches.disk_cache_info()[2] <= size // 2
+    monkeypatch.setattr(disk, "DISK_BYTES", 0)  # off: nothing written
+    tl_connwalk.clear_caches()
+    small_walk(1).laplacian_residual(baseline_draws=2)
+    assert tl_connwalk.core.caches.disk_cache_info()[1] == 0

@@ -359,7 +359,7 @@ def test_random_baseline_matches_norms_and_is_reproducible():
         iso.head_transport_defects, W_V, W_O, 5, seed=torch.Generator().manual_seed(8)
     )
     assert not torch.equal(first.draws, other.draws)
-    assert set(first.to_dict()) == {"mean", "std", "n_draws"}
+    assert set(first.to_dict()) == {"mean", "std", "se", "n_draws", "sampled_edges"}
 
 
 def test_random_baseline_for_the_effective_defect():

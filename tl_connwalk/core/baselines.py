@@ -103,12 +103,22 @@ def draw_scales(
 
 @dataclasses.dataclass(frozen=True)
 class RandomBaseline:
-    """A measurement repeated on random transports (spec §3): every draw, their mean and spread.
+    """A measurement repeated on random transports (spec §3): every draw, their mean, its
+    standard error and the spread of the draws.
 
-    ``std`` is the sample standard deviation over draws (``n_draws >= 2``).
+    ``draws[d]`` is draw ``d``'s value, or where the draws are taken on a sample of edges
+    (``sampled_edges`` per draw and sequence, `tl_connwalk.walk.residual.laplacian_residual`'s
+    ``baseline_edges``) its estimate, with ``sample_var[d]`` that estimate's variance over
+    its sample. Each draw is independent and has its own sample, so ``se``, the standard
+    deviation of the draws' values over ``sqrt(n_draws)``, is the standard error of ``mean``
+    as an estimate of the expected defect of a random transport, the sampling included.
+    ``std`` is the spread of the draws' own defects: the sample standard deviation over
+    draws (``n_draws >= 2``), less the mean sampling variance where there is a sample.
     """
 
     draws: Float[Tensor, "draw ..."]
+    sample_var: Float[Tensor, "draw ..."] | None = None
+    sampled_edges: int | None = None
 
     @property
     def mean(self) -> Tensor:
@@ -116,14 +126,27 @@ class RandomBaseline:
 
     @property
     def std(self) -> Tensor:
-        return self.draws.std(0)
+        if self.sample_var is None:
+            return self.draws.std(0)
+        spread = self.draws.var(0) - self.sample_var.to(self.draws).mean(0)
+        return spread.clamp_min(0.0).sqrt()
+
+    @property
+    def se(self) -> Tensor:
+        return self.draws.std(0) / self.n_draws**0.5
 
     @property
     def n_draws(self) -> int:
         return self.draws.shape[0]
 
     def to_dict(self) -> dict[str, object]:
-        return {"mean": self.mean.tolist(), "std": self.std.tolist(), "n_draws": self.n_draws}
+        return {
+            "mean": self.mean.tolist(),
+            "std": self.std.tolist(),
+            "se": self.se.tolist(),
+            "n_draws": self.n_draws,
+            "sampled_edges": self.sampled_edges,
+        }
 
 
 def random_baseline(

@@ -16,7 +16,7 @@ Results never depend on them: a cleared cache is filled again with the same numb
 stores themselves are private (``tl_connwalk.core._fast``); `head_grams` and `layer_draws`
 are the two cached terms a layer's measurements read (`tl_connwalk.walk.residual`),
 `stacked_layer_draws` the draws of several layers at once and `stacked_draw_message_grams`
-their field baselines.
+their field baselines; `sampled` takes the draws' walk-weighted defects on samples of edges.
 
 >>> import tl_connwalk
 >>> sorted(tl_connwalk.caches())[0]
@@ -26,7 +26,9 @@ their field baselines.
 0
 """
 
-from tl_connwalk.core._fast import draws, lru, quartic
+from pathlib import Path
+
+from tl_connwalk.core._fast import disk, draws, lru, quartic, sampled
 from tl_connwalk.core._fast import head_grams as _head_grams
 from tl_connwalk.core._fast.draws import (
     LayerDraws,
@@ -42,8 +44,10 @@ __all__ = [
     "LayerDraws",
     "caches",
     "clear_caches",
+    "disk_cache_info",
     "head_grams",
     "layer_draws",
+    "sampled",
     "stacked_draw_message_grams",
     "stacked_layer_draws",
 ]
@@ -62,5 +66,13 @@ def caches() -> dict[str, CacheInfo]:
 
 def clear_caches() -> None:
     """Empty every process-wide cache and reset its counts (memory is given back; the next
-    measurement fills them again, with the same results)."""
+    measurement fills them again, with the same results), and the head Grams and draws kept
+    on disk for other processes (`disk_cache_info`)."""
     lru.clear_caches()
+    disk.clear()
+
+
+def disk_cache_info() -> tuple[Path, int, int]:
+    """The folder of the head Grams and draws kept on disk across processes, its number of
+    files and their bytes (at most ``tl_connwalk.core._fast.disk.DISK_BYTES``, 256 MiB)."""
+    return (disk.folder(), *disk.info())

@@ -24,12 +24,22 @@ def _thirds(values: np.ndarray) -> tuple[float, float]:
     return float(np.mean(values[:third])), float(np.mean(values[-third:]))
 
 
+def _margin(frame: pd.DataFrame, column: str) -> pd.Series:
+    """Two standard deviations of a random transport's defect about the baseline's estimate:
+    the draws' spread and the estimate's own standard error (where the frame has it)."""
+    spread = frame[f"{column}_baseline_std"] ** 2
+    se = f"{column}_baseline_se"
+    if se in frame:
+        spread = spread + frame[se].fillna(0.0) ** 2
+    return 2 * np.sqrt(spread)
+
+
 def _below(frame: pd.DataFrame, column: str) -> pd.Series:
-    return frame[column] < frame[f"{column}_baseline"] - 2 * frame[f"{column}_baseline_std"]
+    return frame[column] < frame[f"{column}_baseline"] - _margin(frame, column)
 
 
 def _above(frame: pd.DataFrame, column: str) -> pd.Series:
-    return frame[column] > frame[f"{column}_baseline"] + 2 * frame[f"{column}_baseline_std"]
+    return frame[column] > frame[f"{column}_baseline"] + _margin(frame, column)
 
 
 def findings(

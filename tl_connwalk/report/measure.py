@@ -240,6 +240,7 @@ def _defects(res: LaplacianResidual, name: str, value: Tensor, suffix: str) -> d
         column: _mean(value),
         f"{column}_baseline": _mean(base.mean),
         f"{column}_baseline_std": _mean(base.std),
+        f"{column}_baseline_se": _mean(base.se),
     }
 
 
@@ -250,8 +251,10 @@ def summary_frame(measurements: Measurements) -> pd.DataFrame:
     ``reversibility_baseline`` (`uniform_reversibility`), ``mu``, ``pairing`` (NaN: not
     applicable) with ``pairing_baseline`` and ``pairing_baseline_std`` (`pairing_baseline`),
     ``head_defect`` (mean over heads; ``_min``, ``_max``), ``transport_defect``,
-    ``field_defect``, ``scale``, ``drift_to_next``, each defect with ``_baseline`` and
-    ``_baseline_std`` (random transports), and the walk-weighted ones again as ``*_nosink``.
+    ``field_defect``, ``scale``, ``drift_to_next``, each defect with ``_baseline``,
+    ``_baseline_std`` (random transports: their mean and spread) and ``_baseline_se`` (its
+    standard error, `RandomBaseline.se`; batch means, as every column), and the walk-weighted
+    ones again as ``*_nosink``.
     """
     n_transitions = len(measurements.drift["with_sink"])
     rows = []
@@ -282,6 +285,7 @@ def summary_frame(measurements: Measurements) -> pd.DataFrame:
             base = record.pairing_baseline.get(name)
             row[f"pairing{suffix}_baseline"] = _mean(None if base is None else base.mean)
             row[f"pairing{suffix}_baseline_std"] = _mean(None if base is None else base.std)
+            row[f"pairing{suffix}_baseline_se"] = _mean(None if base is None else base.se)
         row |= _defects(r0, "head_defects", r0.head_defects, "")
         for res, suffix in ((r0, ""), (r1, "_nosink")):
             row |= _defects(res, "transport_defect", res.transport_defect, suffix)
@@ -291,7 +295,8 @@ def summary_frame(measurements: Measurements) -> pd.DataFrame:
 
 
 def head_frame(measurements: Measurements) -> pd.DataFrame:
-    """One row per ``(layer, head)``: ``head_defect`` and its random baseline mean and std."""
+    """One row per ``(layer, head)``: ``head_defect`` and its random baseline's mean, spread
+    (``_std``) and standard error (``_se``)."""
     rows = []
     for record in measurements.layers:
         base = record.with_sink.baseline["head_defects"]
@@ -303,6 +308,7 @@ def head_frame(measurements: Measurements) -> pd.DataFrame:
                     "head_defect": value,
                     "head_defect_baseline": float(base.mean[head]),
                     "head_defect_baseline_std": float(base.std[head]),
+                    "head_defect_baseline_se": float(base.se[head]),
                 }
             )
     return pd.DataFrame(rows)

@@ -21,6 +21,7 @@ from tl_connwalk.core.caches import (
     LayerDraws,
     head_grams,
     layer_draws,
+    sampled,
     stacked_draw_message_grams,
     stacked_layer_draws,
 )
@@ -140,13 +141,20 @@ class _LayerTerms:
         return self._message_grams
 
     @staticmethod
-    def stack_message_grams(terms: Sequence["_LayerTerms"], n_draws: int, seed: int) -> None:
+    def stack_message_grams(
+        terms: Sequence["_LayerTerms"],
+        n_draws: int,
+        seed: int,
+        baseline_edges: int | None = None,
+    ) -> None:
         """Make the message Grams of each walk's field and of its ``(n_draws, seed)`` draws
         that ``terms`` lack, stacked over the walks of one head shape, dtype and field shape
         (`field_defect.stacked_message_grams`,
         `tl_connwalk.core.caches.stacked_draw_message_grams`): one batched product per block
         of keys for every head of all of them, after the draws they lack
-        (`stack_layer_draws`). Padded walks are left to `message_grams` and
+        (`stack_layer_draws`). Walks whose baselines take a sample of edges
+        (``baseline_edges``, `tl_connwalk.core._fast.sampled.samples`) need no draws' Grams
+        of every key: they get none here. Padded walks are left to `message_grams` and
         `draw_message_grams`, one walk at a time; so are the fields' own Grams of heads too
         wide to keep their output-Gram rows (their draws' are stacked).
         """
@@ -178,6 +186,9 @@ class _LayerTerms:
                 for term, gram in zip(own, grams, strict=True):
                     term._message_grams = gram
             key = (n_draws, seed)
+            n_keys = group[0].field.shape[1]
+            if sampled.samples(n_keys, n_keys, baseline_edges):
+                continue
             drawn = [term for term in group if key not in term._draw_grams]
             if drawn:
                 grams = stacked_draw_message_grams(

@@ -15,7 +15,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from tl_connwalk.core import field_defect, isometry, markov, padding
+from tl_connwalk.core import field_defect, isometry, markov, padding, weighted
+from tl_connwalk.core.caches import sampled
 from tl_connwalk.walk._layer_terms import MeasuredWalk, Memo
 
 
@@ -33,8 +34,10 @@ class _Parts:
         mass_share: float | None,
         n_draws: int,
         seed: int,
+        baseline_edges: int | None = None,
     ) -> None:
         self.walk, self.memo = walk, memo
+        self.n_draws, self.seed = n_draws, seed
         W = self.walk.walk
         self.W, self.g = W, self.walk.gates
         self.scoped, self.drop_sink = padding.scope(
@@ -54,9 +57,19 @@ class _Parts:
             # share 1 keeps every edge: the all-edge path itself, not a gathered copy of it
             self.kept = None if mass_share >= 1.0 else selected
         grams = self.terms.heads
+        self.rand = self.terms.layer_draws(n_draws, seed)
+        #: the draws' defects on a sample of edges (`sampled`), or with the layer's on all
+        n_query, n_key = W.shape[-2:]
+        # a padded batch takes every edge: its sequences' baselines are then those they have
+        # alone (their samples would not be)
+        sampling = walk.attention_mask is None and sampled.samples(n_query, n_key, baseline_edges)
+        self.sample = baseline_edges if sampling else None
+        if self.sample is not None:
+            self.K2, self.pair_gram = grams.K2[None], grams.pair_gram[None]
+            self.message_grams = self.terms.message_grams[None]
+            return
         # the layer and its random draws (shared by every layer of this shape) as one family
         # each, by their head Grams and by their message Grams
-        self.rand = self.terms.layer_draws(n_draws, seed)
         self.K2 = torch.cat([grams.K2[None], self.rand.K2])
         self.pair_gram = torch.cat([grams.pair_gram[None], self.rand.pair_gram])
         self.message_grams = torch.cat(
@@ -70,6 +83,7 @@ class _Parts:
             self.g.shape, self.g.dtype, X.shape, X.dtype, self.message_grams.dtype,
             self.K2.shape, self.K2.dtype, self.g.device, self.terms.rank, self.drop_sink,
             self.scoped is None, self.kept is None, self.walk.attention_mask is None,
+            self.sample,
         )  # fmt: skip
 
 
@@ -99,6 +113,8 @@ class _Means(NamedTuple):
     head_fields: Float[Tensor, "batch head"]
     pairing: markov.PairingResidual
     pairs_anywhere: bool  # whether any sequence has a pairing (an edge both ways)
+    # the draws' transport and field defects on their samples of edges (`sampled`), if any
+    estimates: tuple[sampled.Estimates, sampled.Estimates] | None = None
 
 
 def _stacked(tensors: Sequence[Tensor]) -> Tensor:
@@ -155,6 +171,9 @@ def _stacked_means(
     )  # fmt: skip
     anywhere = torch.stack([p.applicable.any() for p in pairing]).tolist()
     batch = first.W.shape[0]
+    estimates: Sequence[tuple[sampled.Estimates, sampled.Estimates] | None] = [None] * count
+    if first.sample is not None:
+        estimates = _sampled_baselines(parts, walks, gates, X, edges)
     return [
         _Means(
             means.defect[k],
@@ -169,6 +188,56 @@ def _stacked_means(
             heads[k],
             pairing[k],
             anywhere[k],
+            estimates[k],
         )
         for k in range(count)
     ]
+
+
+def _sampled_baselines(
+    parts: list[_Parts],
+    walks: Float[Tensor, "seq query key"],
+    gates: Float[Tensor, "seq head query key"],
+    field: Float[Tensor, "seq key d_model"],
+    scoped: Tensor | None,
+) -> list[tuple[sampled.Estimates, sampled.Estimates]]:
+    """The draws' transport and field defects of stackable walks on samples of edges
+    (`tl_connwalk.core._fast.sampled`), the walks side by side as one batch of sequences
+    (``walks``, ``gates``, ``field`` and the ``scoped`` edges of `_stacked_means`): each walk's
+    edges drawn from its own summary weights with the same uniform numbers whatever the group
+    (a walk's estimates are the same alone or in a group), the rest in one pass for all."""
+    first, count = parts[0], len(parts)
+    n_draws, m = first.n_draws, first.sample
+    assert m is not None
+    batch = first.W.shape[0]
+    # every walk's own numbers: one seed for all (the call's), so one draw of them, repeated
+    generator = torch.Generator(device=walks.device).manual_seed(sampled.edge_seed(first.seed))
+    uniform = sampled.uniforms(generator, batch, n_draws, m, walks.device).repeat(1, count, 1)
+    kept = _stacked_masks([p.scoped if p.kept is None else p.kept for p in parts])
+    weights_t, rows_t = weighted.edge_weights(
+        walks, first.drop_sink, None if kept is None else kept.flatten(0, 1)
+    )
+    sent = field_defect._sent(field, walks.shape)
+    if scoped is not None:
+        sent = scoped if sent is None else sent & scoped
+    weights_f, _ = weighted.edge_weights(walks, first.drop_sink, sent)
+    rows_f, keys_f = sampled.sample_edges(weights_f, uniform[2:], n_draws)
+    grams = sampled.sampled_message_grams(
+        [part.rand for part in parts], field.unflatten(0, (count, batch)), keys_f
+    )
+    field_est = sampled.field_estimates(weights_f, gates, grams, rows_f, keys_f)
+
+    def per_sequence(tensors: list[Tensor]) -> Tensor:
+        """``[draw, ...]`` of each walk as ``[draw, (stack batch), ...]``."""
+        return torch.stack(tensors, 1).repeat_interleave(batch, dim=1)
+
+    transport_est = sampled.transport_estimates(
+        weights_t, rows_t, gates, per_sequence([p.rand.K2 for p in parts]),
+        per_sequence([p.rand.pair_gram for p in parts]), first.terms.rank,
+        *sampled.sample_edges(weights_t, uniform[:2], n_draws),
+    )  # fmt: skip
+
+    def of_walk(est: sampled.Estimates, k: int) -> sampled.Estimates:
+        return sampled.Estimates(*(t.unflatten(1, (count, batch))[:, k] for t in est))
+
+    return [(of_walk(transport_est, k), of_walk(field_est, k)) for k in range(count)]

@@ -340,8 +340,8 @@ class ConnectionWalk:
         """How far ``L = I - P`` is from a random-walk connection Laplacian (spec §2-4).
 
         Options as `tl_connwalk.walk.residual.laplacian_residual` (``mu``, ``alpha``,
-        ``exclude_sink``, ``edges``, ``heads``, ``baseline_draws``, ``seed``, ``exact``,
-        ``max_edges``, ``mass_share``, ``query_chunk``).
+        ``exclude_sink``, ``edges``, ``heads``, ``baseline_draws``, ``baseline_edges``,
+        ``seed``, ``exact``, ``max_edges``, ``mass_share``, ``query_chunk``).
 
         >>> walk.laplacian_residual(exclude_sink=True).transport_defect.shape  # [batch]
         torch.Size([2])

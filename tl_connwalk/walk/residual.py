@@ -20,6 +20,7 @@ from torch import Tensor
 
 from tl_connwalk.core import isometry, laplacian, markov, padding
 from tl_connwalk.core import walk as core_walk
+from tl_connwalk.core.caches import sampled
 from tl_connwalk.core.isometry import RandomBaseline
 from tl_connwalk.core.laplacian import NearestOperatorDistance
 from tl_connwalk.errors import ConnWalkError
@@ -160,6 +161,7 @@ def laplacian_residual(
     edges: padding.EdgeMask | None = None,
     heads: Sequence[int] | None = None,
     baseline_draws: int = 8,
+    baseline_edges: int | None = sampled.BASELINE_EDGES,
     seed: int = 0,
     exact: bool = False,
     max_edges: int | None = 4096,
@@ -188,6 +190,12 @@ def laplacian_residual(
             pattern, gates renormalised among them, ``T'_ij = |S| sum_S g'^h_ij T^h``);
             ``head_defects`` and the baselines are then those of the subset.
         baseline_draws: random transports per baseline (``>= 2``).
+        baseline_edges: on a walk of more than ``64 baseline_edges`` query-key pairs, each
+            draw takes its transport and field defects on this many edges per sequence,
+            drawn in proportion to the summary's weights (spec §3, "random baseline"; each
+            draw its own sample); the baselines then carry the sampling error in their
+            standard error (`RandomBaseline.se`). ``None``, and a padded batch (whose
+            sequences keep the baselines they have alone): every edge.
         seed: seed of the random baselines and of the edge sample.
         exact: also build the nearest random-walk connection operator ``P*`` (spec §4) and
             report ``||P - P*||_F / ||P||_F``; materialises ``d_model x d_model`` maps edge by
@@ -224,7 +232,8 @@ def laplacian_residual(
     """
     return laplacian_residuals(
         [walk], mu=mu, alpha=alpha, exclude_sink=exclude_sink, edges=edges, heads=heads,
-        baseline_draws=baseline_draws, seed=seed, exact=exact, max_edges=max_edges,
+        baseline_draws=baseline_draws, baseline_edges=baseline_edges, seed=seed, exact=exact,
+        max_edges=max_edges,
         mass_share=mass_share, query_chunk=query_chunk, memos=[memo],
     )[0]  # fmt: skip
 
@@ -263,6 +272,7 @@ def laplacian_residuals(
     edges: padding.EdgeMask | None = None,
     heads: Sequence[int] | None = None,
     baseline_draws: int = 8,
+    baseline_edges: int | None = sampled.BASELINE_EDGES,
     seed: int = 0,
     exact: bool = False,
     max_edges: int | None = 4096,
@@ -283,6 +293,7 @@ def laplacian_residuals(
     fresh one).
     """
     isometry.check_draws(baseline_draws, "baseline_draws")
+    sampled.check_baseline_edges(baseline_edges)
     isometry.check_flag(exclude_sink, "exclude_sink")
     isometry.check_flag(exact, "exact")
     check_walks(walks)
@@ -302,9 +313,10 @@ def laplacian_residuals(
         Memo.terms_of([walk for walk, _ in resolved], [memo for _, memo in resolved]),
         baseline_draws,
         seed,
+        baseline_edges,
     )
     parts = [
-        _Parts(walk, memo, exclude_sink, edges, mass_share, baseline_draws, seed)
+        _Parts(walk, memo, exclude_sink, edges, mass_share, baseline_draws, seed, baseline_edges)
         for walk, memo in resolved
     ]
     measured = _grouped(parts, lambda group: _stacked_means(group, mu, alpha, query_chunk))
@@ -355,11 +367,19 @@ def _finished(
             edges=scoped,
         )
     fields = means.fields
-    baseline = {
-        "head_defects": part.rand.head_defects,
-        "transport_defect": transport[1:],
-        "field_defect": fields[1:],
-    }
+    head_base = part.rand.head_defects
+    baseline = {"head_defects": RandomBaseline(head_base.to(isometry.working_dtype(head_base)))}
+    if means.estimates is None:
+        baseline |= {
+            name: RandomBaseline(values.to(isometry.working_dtype(values)))
+            for name, values in (("transport_defect", transport[1:]), ("field_defect", fields[1:]))
+        }
+    else:
+        dtype = isometry.working_dtype(transport)
+        baseline |= {
+            name: RandomBaseline(est.value.to(dtype), est.variance.to(dtype), part.sample)
+            for name, est in zip(("transport_defect", "field_defect"), means.estimates, strict=True)
+        }
     nearest = None
     if exact:
         real_walk = W if positions is None else torch.where(padding.real_edges(positions), W, 0.0)
@@ -379,10 +399,7 @@ def _finished(
         head_defects=grams.head_defects,
         field_defect=fields[0],
         head_field_defects=means.head_fields,
-        baseline={
-            name: RandomBaseline(values.to(isometry.working_dtype(values)))
-            for name, values in baseline.items()
-        },
+        baseline=baseline,
         exclude_sink=exclude_sink,
         nearest_operator=nearest,
         layer=walk.layer,

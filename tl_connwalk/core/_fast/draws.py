@@ -43,7 +43,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from tl_connwalk.core import checks, field_defect, isometry, value_heads
-from tl_connwalk.core._fast import chunks, head_grams, messages, quartic
+from tl_connwalk.core._fast import chunks, disk, head_grams, messages, quartic
 from tl_connwalk.core._fast.lru import memoized
 from tl_connwalk.core.value_heads import KVHeads
 from tl_connwalk.errors import ConnWalkError
@@ -128,6 +128,22 @@ def raw_draws(
     keep = n_draws * (v_shape.numel() + o_shape.numel()) <= chunks.chunk_entries(device)
     row_bytes = field_defect.output_gram_rows_numel(v_shape[0], v_shape[2]) * dtype.itemsize
     out_rows = n_draws * row_bytes <= OUT_ROWS_BYTES
+    disk_key = (
+        f"{tuple(v_shape)} {tuple(o_shape)} {dtype} {device} {seed} {n_draws} {kv_heads} {out_rows}"
+    )
+    saved = disk.load("draws", disk_key)
+    if saved is not None:  # made by an earlier process: the factors drawn again, if kept
+        kept = [
+            (_values_major(R_V), R_O)
+            for R_V, R_O in (
+                isometry.gaussian_factors(v_shape, o_shape, dtype, device, generator, kv_heads)
+                for _ in range(n_draws if keep else 0)
+            )
+        ]
+        return RawDraws(
+            v_shape, o_shape, dtype, device, seed, head_grams.from_tensors(saved, device),
+            tuple(kept) if keep else None, kv_heads,
+        )  # fmt: skip
     draws, kept = [], []
     rows = None  # every draw's output-Gram rows, filled draw by draw (no second copy)
     for d in range(n_draws):
@@ -150,6 +166,7 @@ def raw_draws(
         head_defects=torch.stack([d.head_defects for d in draws]),
         out_rows=rows,
     )
+    disk.save("draws", disk_key, head_grams.to_tensors(stacked))
     return RawDraws(
         v_shape, o_shape, dtype, device, seed, stacked, tuple(kept) if keep else None, kv_heads
     )

@@ -31,6 +31,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from tl_connwalk.core import checks, field_defect, isometry
+from tl_connwalk.core._fast import disk
 from tl_connwalk.core._fast.lru import CacheInfo, Store, tensor_bytes
 
 #: Most bytes the store keeps (least recently used entries leave first). A GPT-2-small layer
@@ -133,9 +134,27 @@ def head_grams(
     key = weights_digest(W_V, W_O)
     found = _STORE.get(key)
     if found is None:
-        found = compute_head_grams(W_V, W_O)
+        out_rows = W_V.shape[0] * W_V.shape[2] <= OUT_GRAM_WIDTH
+        disk_key = f"{key} {out_rows}"
+        saved = disk.load("heads", disk_key)
+        if saved is not None:  # computed by an earlier process
+            found = from_tensors(saved, W_V.device)
+        else:
+            found = compute_head_grams(W_V, W_O, out_rows=out_rows)
+            disk.save("heads", disk_key, to_tensors(found))
         _STORE.put(key, found)
     return found
+
+
+def to_tensors(grams: HeadGrams) -> dict[str, Tensor]:
+    """The tensors of ``grams`` by field name (``out_rows`` only where there are some)."""
+    fields = {f.name: getattr(grams, f.name) for f in dataclasses.fields(grams)}
+    return {name: value for name, value in fields.items() if value is not None}
+
+
+def from_tensors(tensors: dict[str, Tensor], device: torch.device) -> HeadGrams:
+    """`HeadGrams` of `to_tensors`' tensors, on ``device``."""
+    return HeadGrams(**{name: value.to(device) for name, value in tensors.items()})
 
 
 def cache_info() -> CacheInfo:
