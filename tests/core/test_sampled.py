@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tl_connwalk
-from tests.architectures import BASE, build
+from tests.architectures import BASE, build, hooked_only
 from tests.tolerances import assert_close, rtol
 from tl_connwalk.core._fast import sampled
 from tl_connwalk.errors import ConnWalkError
@@ -73,6 +73,7 @@ def test_the_sampled_baselines_agree_on_the_bridges(toy: str, edges: int) -> Non
     _check_agree(cache.connection_walk(0), edges, exclude_sink=False)
 
 
+@hooked_only
 def test_short_walks_take_every_edge_and_bad_sizes_are_errors() -> None:
     model = tl_connwalk.attach(build("gpt2_ln"))
     _, cache = model.run_with_cache(torch.randint(0, BASE["d_vocab"], (1, 9)))
@@ -84,6 +85,7 @@ def test_short_walks_take_every_edge_and_bad_sizes_are_errors() -> None:
             cache.laplacian_residual(0, baseline_edges=bad)
 
 
+@hooked_only
 def test_the_table_reports_each_baselines_standard_error() -> None:
     model = tl_connwalk.attach(build("gpt2_ln", n_ctx=POS))
     tokens = torch.randint(0, BASE["d_vocab"], (2, POS), generator=torch.Generator().manual_seed(2))
